@@ -1,0 +1,298 @@
+"""Enums, the attention spec dataclass and the argument validation every entry point shares.
+
+Strings are accepted at the public boundary (they are what users type) and turned into enums
+here, once, with an error that names the argument and lists the accepted values.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+class _Choice(str, enum.Enum):
+    """A string enum whose ``parse`` names the offending argument in its error."""
+
+    @classmethod
+    def parse(cls, value, arg: str):
+        if isinstance(value, cls):
+            return value
+        for member in cls:
+            if value == member.value:
+                return member
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{arg}={value!r} is not supported; use one of {allowed}")
+
+    def __str__(self) -> str:  # so f-strings and tables show the user's spelling
+        return self.value
+
+
+class SoftmaxType(_Choice):
+    VANILLA = "vanilla"
+    OFF_BY_ONE = "off-by-one"
+    LEARNABLE = "learnable"
+
+    @property
+    def has_sink(self) -> bool:
+        return self is not SoftmaxType.VANILLA
+
+
+class MaskType(_Choice):
+    CAUSAL = "causal"
+    NO_MASK = "no_mask"
+
+
+class QKVFormat(_Choice):
+    BSHD = "bshd"
+    SBHD = "sbhd"
+
+    @property
+    def seq_dim(self) -> int:
+        return 1 if self is QKVFormat.BSHD else 0
+
+    def to_bhsd(self, x: torch.Tensor) -> torch.Tensor:
+        """A ``[b, h, s, d]`` view of a tensor in this format (no copy)."""
+        return x.permute(0, 2, 1, 3) if self is QKVFormat.BSHD else x.permute(1, 2, 0, 3)
+
+    def from_bhsd(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse view of ``to_bhsd``."""
+        return x.permute(0, 2, 1, 3) if self is QKVFormat.BSHD else x.permute(2, 0, 1, 3)
+
+
+class SinkStrategy(_Choice):
+    """Where the sink enters a ring: ``every-tile`` is the known bug, kept for the emulator."""
+
+    STEP0 = "step0"
+    POST_MERGE = "post-merge"
+    EVERY_TILE = "every-tile"
+
+
+class SinkGrad(_Choice):
+    """Contract for gradients of replicated tensors (the sink and the bias) under CP."""
+
+    FULL = "full"
+    PARTIAL = "partial"
+
+
+class Comm(_Choice):
+    P2P = "p2p"
+    A2A = "a2a"
+    A2A_P2P = "a2a+p2p"
+
+
+class Backend(_Choice):
+    AUTO = "auto"
+    TORCH = "torch"
+    CUDNN = "cudnn"
+
+
+DTYPES = {
+    "fp64": torch.float64,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def parse_dtype(name: str, arg: str = "dtype") -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"{arg}={name!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype for statistics and accumulators: fp64 stays fp64, everything else uses fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class Band:
+    """Visibility of a tile in its own coordinates: key j is seen by query i iff lo <= j - i <= hi.
+
+    ``None`` means unbounded on that side, so ``Band()`` is a full tile and ``Band(None, 0)`` the
+    usual causal diagonal. One representation serves the reference, the ring plan and the kernels.
+    """
+
+    lo: Optional[int] = None
+    hi: Optional[int] = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.lo is None and self.hi is None
+
+    def shifted(self, offset: int) -> "Band":
+        """The same band seen from coordinates where j - i grows by ``offset``."""
+        return Band(None if self.lo is None else self.lo + offset,
+                    None if self.hi is None else self.hi + offset)
+
+    def clipped(self, n_q: int, n_kv: int) -> Optional[tuple[int, int]]:
+        """The band restricted to an n_q x n_kv tile as a closed interval of j - i, or None if empty."""
+        lo_dom, hi_dom = -(n_q - 1), n_kv - 1
+        lo = lo_dom if self.lo is None else max(self.lo, lo_dom)
+        hi = hi_dom if self.hi is None else min(self.hi, hi_dom)
+        return (lo, hi) if lo <= hi else None
+
+    def mask(self, n_q: int, n_kv: int, device=None) -> Optional[torch.Tensor]:
+        """Boolean [n_q, n_kv] visibility, or None when every key is visible."""
+        clip = self.clipped(n_q, n_kv)
+        if clip == (-(n_q - 1), n_kv - 1):
+            return None
+        diff = (torch.arange(n_kv, device=device)[None, :]
+                - torch.arange(n_q, device=device)[:, None])
+        if clip is None:
+            return torch.zeros(n_q, n_kv, dtype=torch.bool, device=device)
+        return (diff >= clip[0]) & (diff <= clip[1])
+
+
+@dataclass(frozen=True)
+class AttnSpec:
+    """Everything about one attention call except the tensors: built once by ``make_spec``."""
+
+    softmax_type: SoftmaxType = SoftmaxType.VANILLA
+    mask: MaskType = MaskType.NO_MASK
+    window: tuple[Optional[int], Optional[int]] = (None, None)  # (left, right); None = unbounded
+    qkv_format: QKVFormat = QKVFormat.BSHD
+
+    @property
+    def band(self) -> Band:
+        """Visibility in global positions: i - left <= j <= i + right, causal caps right at 0."""
+        left, right = self.window
+        if self.mask is MaskType.CAUSAL:
+            right = 0
+        return Band(None if left is None else -left, right)
+
+
+def parse_window(window, mask: MaskType) -> tuple[Optional[int], Optional[int]]:
+    if window is None:
+        return (None, None)
+    try:
+        left, right = (int(w) for w in window)
+    except (TypeError, ValueError):
+        raise ValueError(f"window={window!r} must be a pair (left, right) of ints, -1 meaning unbounded") from None
+    for name, w in (("left", left), ("right", right)):
+        if w < -1:
+            raise ValueError(f"window {name}={w} must be >= 0, or -1 for unbounded")
+    if mask is MaskType.CAUSAL and right not in (0, -1):
+        raise ValueError(f"window right={right} contradicts mask='causal' (causal implies right = 0); "
+                         f"use window=({left}, 0) or mask='no_mask'")
+    return (None if left == -1 else left, None if right == -1 else right)
+
+
+def make_spec(softmax_type, mask, window, qkv_format) -> AttnSpec:
+    softmax_type = SoftmaxType.parse(softmax_type, "softmax_type")
+    mask = MaskType.parse(mask, "mask")
+    return AttnSpec(softmax_type, mask, parse_window(window, mask), QKVFormat.parse(qkv_format, "qkv_format"))
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes read off validated q, k, v."""
+
+    b: int
+    s_q: int
+    s_kv: int
+    h: int
+    g: int
+    d: int
+
+
+def check_qkv(q, k, v, fmt: QKVFormat) -> Dims:
+    """Validate q, k, v (``[b, s, h, d]`` or ``[s, b, h, d]``, GQA allowed) and return their sizes."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            layout = "[b, s, h, d]" if fmt is QKVFormat.BSHD else "[s, b, h, d]"
+            raise ValueError(f"{name} must be 4-D {layout} for qkv_format={fmt.value!r}, got shape {tuple(x.shape)}")
+        if x.dtype not in DTYPE_NAMES:
+            raise ValueError(f"{name}.dtype={x.dtype} is not supported; use one of {', '.join(DTYPES)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    sd = fmt.seq_dim
+    bd = 1 - sd
+    b, s_q, h, d = q.shape[bd], q.shape[sd], q.shape[2], q.shape[3]
+    if k.shape[bd] != b:
+        raise ValueError(f"k has batch {k.shape[bd]} but q has batch {b} (qkv_format={fmt.value!r})")
+    if k.shape[3] != d:
+        raise ValueError(f"k head dim {k.shape[3]} differs from q head dim {d}")
+    g = k.shape[2]
+    if g == 0 or h % g:
+        raise ValueError(f"q has {h} heads and k, v have {g}: h must be a multiple of g (GQA/MQA)")
+    if min(b, s_q, k.shape[sd], d) == 0:
+        raise ValueError(f"q, k, v must not be empty, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    return Dims(b, s_q, k.shape[sd], h, g, d)
+
+
+def check_offset(offset, softmax_type: SoftmaxType, h: int, device) -> None:
+    """The softmax offset must match the softmax type: required ``[1, h, 1, 1]`` for learnable."""
+    if softmax_type is not SoftmaxType.LEARNABLE:
+        if offset is not None:
+            why = "has no sink" if softmax_type is SoftmaxType.VANILLA else "fixes its sink at 0"
+            raise ValueError(f"softmax_offset must be None for softmax_type={softmax_type.value!r} ({why}); "
+                             f"use softmax_type='learnable' to pass an offset")
+        return
+    if not isinstance(offset, torch.Tensor):
+        raise ValueError(f"softmax_type='learnable' needs softmax_offset, a [1, {h}, 1, 1] tensor; got {offset!r}")
+    if tuple(offset.shape) != (1, h, 1, 1):
+        raise ValueError(f"softmax_offset must have shape [1, {h}, 1, 1] (one logit per query head), "
+                         f"got {tuple(offset.shape)}")
+    if offset.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"softmax_offset.dtype={offset.dtype} is not supported; use torch.float32 (or float64)")
+    if offset.device != torch.device(device):
+        raise ValueError(f"softmax_offset is on {offset.device} but q is on {device}")
+
+
+def check_bias(bias, b: int, h: int, s_q: int, s_kv: int, device) -> None:
+    """A post-scale additive bias broadcastable as ``[1|b, 1|h, s_q, s_kv]``."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 4:
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"bias must be a 4-D tensor [1|{b}, 1|{h}, {s_q}, {s_kv}], got {shape}")
+    bb, bh, bq, bk = bias.shape
+    if bb not in (1, b) or bh not in (1, h) or (bq, bk) != (s_q, s_kv):
+        raise ValueError(f"bias shape {tuple(bias.shape)} does not broadcast as [1|{b}, 1|{h}, {s_q}, {s_kv}]")
+    if not bias.is_floating_point():
+        raise ValueError(f"bias.dtype={bias.dtype} must be floating point")
+    if bias.device != torch.device(device):
+        raise ValueError(f"bias is on {bias.device} but q is on {device}")
+
+
+def check_scale(scale, d: int) -> float:
+    if scale is None:
+        return d ** -0.5
+    scale = float(scale)
+    if not scale > 0 or scale == float("inf"):
+        raise ValueError(f"scale={scale} must be a positive finite number (default d ** -0.5)")
+    return scale
+
+
+class Fault(_Choice):
+    """Bugs ``sinkprof check`` can inject to prove that it fails when they are present."""
+
+    SINK_EVERY_TILE = "sink-every-tile"      # the sink enters every ring tile (counted per tile)
+    NO_SINK_REDUCE = "no-sink-reduce"        # the full contract skips its all-reduce
+    ALIASED_REFERENCE = "aliased-reference"  # the reference shares storage with the CP gradients
+    VANILLA_FALLBACK = "vanilla-fallback"    # the tiles drop the softmax type (TE's p2p bug)
+    SKIP_SINK_SLICE = "skip-sink-slice"      # a2a gives every rank the first heads' sinks
+    STALL = "stall"                          # rank 1 stops answering in the forward ring
+    CRASH = "crash"                          # rank 1 dies in the forward ring
+
+
+@dataclass(frozen=True)
+class CPOptions:
+    """How one context-parallel attention runs; built once per call from the public arguments."""
+
+    spec: AttnSpec
+    scale: float
+    kernel: object                               # a kernels.TileKernel
+    sink_strategy: SinkStrategy = SinkStrategy.STEP0
+    sink_grad: SinkGrad = SinkGrad.FULL
+    fault: Optional[Fault] = None

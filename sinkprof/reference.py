@@ -1,0 +1,56 @@
+"""Single-device attention with an optional sink: the reference every CP result is checked against.
+
+Plain torch ops, so autograd gives every gradient (q, k, v, the offset, the bias) without any
+hand-written backward; accumulation runs in fp32 for bf16/fp16 and in fp64 for fp64 inputs.
+Positions of queries and keys both start at 0 (top-left alignment when ``s_q != s_kv``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .options import (accum_dtype, check_bias, check_offset, check_qkv, check_scale, make_spec)
+from .sink import sink_logits
+
+
+def attention(q, k, v, softmax_offset=None, *, softmax_type="vanilla", mask="no_mask", window=None,
+              bias=None, scale=None, qkv_format="bshd", return_lse=False):
+    """Attention over the whole sequence on one device.
+
+    q is ``[b, s, h, d]`` (bshd) or ``[s, b, h, d]`` (sbhd); k and v have ``g`` heads, ``h % g == 0``.
+    ``softmax_type``: ``vanilla`` (no sink), ``off-by-one`` (sink logit fixed at 0) or ``learnable``
+    (``softmax_offset`` of shape ``[1, h, 1, 1]``). ``window=(left, right)``: key j is visible to
+    query i when ``i - left <= j <= i + right``, -1 unbounded. ``bias`` is added after scaling.
+    Returns ``out`` in q's layout and dtype, and with ``return_lse`` also ``lse`` ``[b, h, s_q]``
+    (fp32, or fp64 for fp64 inputs; sink included).
+    """
+    spec = make_spec(softmax_type, mask, window, qkv_format)
+    dims = check_qkv(q, k, v, spec.qkv_format)
+    check_offset(softmax_offset, spec.softmax_type, dims.h, q.device)
+    check_bias(bias, dims.b, dims.h, dims.s_q, dims.s_kv, q.device)
+    scale = check_scale(scale, dims.d)
+
+    fmt, acc = spec.qkv_format, accum_dtype(q.dtype)
+    qh = fmt.to_bhsd(q).to(acc).unflatten(1, (dims.g, dims.h // dims.g))  # [b, g, r, s_q, d]
+    kh, vh = fmt.to_bhsd(k).to(acc), fmt.to_bhsd(v).to(acc)                # [b, g, s_kv, d]
+    scores = torch.einsum("bgrqd,bgkd->bgrqk", qh, kh).flatten(1, 2) * scale
+    if bias is not None:
+        scores = scores + bias.to(acc)
+
+    visible = spec.band.mask(dims.s_q, dims.s_kv, q.device)
+    if visible is not None:
+        # Rows with no visible key get harmless finite scores; their probabilities are zeroed below.
+        row_any = visible.any(-1, keepdim=True)
+        scores = scores.masked_fill(~visible & row_any, float("-inf")).masked_fill(~row_any, 0.0)
+    lse = torch.logsumexp(scores, dim=-1)                                   # [b, h, s_q]
+    if visible is not None:
+        lse = lse.masked_fill(~row_any.squeeze(-1), float("-inf"))
+    sink = sink_logits(spec.softmax_type, softmax_offset, dims.h, q.device)
+    if sink is not None:
+        lse = torch.logaddexp(lse, sink.reshape(1, -1, 1).to(acc))
+    lse_finite = lse.masked_fill(lse == float("-inf"), 0.0)
+    probs = torch.exp(scores - lse_finite.unsqueeze(-1))
+    if visible is not None:
+        probs = probs * visible
+    out = torch.einsum("bgrqk,bgkd->bgrqd", probs.unflatten(1, (dims.g, dims.h // dims.g)), vh)
+    out = fmt.from_bhsd(out.flatten(1, 2)).to(q.dtype)
+    return (out, lse) if return_lse else out

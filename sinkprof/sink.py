@@ -1,0 +1,65 @@
+"""The sink math, in one place (DESIGN.md section 2).
+
+Layout here: ``o`` is ``[b, h, s, d]`` (any strides), ``lse`` is ``[b, h, s]`` in natural log,
+the sink ``a`` is ``[1, h, 1, 1]``. All arithmetic runs in the accumulators' dtype (fp32, or fp64
+for fp64 runs). A row that sees no key has ``lse = -inf`` and ``o = 0``; every function here keeps
+that state finite (no ``-inf - -inf``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .options import SoftmaxType
+
+NEG_INF = float("-inf")
+
+
+def sink_logits(softmax_type: SoftmaxType, offset: Optional[torch.Tensor], heads: int,
+                device) -> Optional[torch.Tensor]:
+    """The sink logit per query head as ``[1, h, 1, 1]``: the offset, zeros, or None for vanilla."""
+    if softmax_type is SoftmaxType.LEARNABLE:
+        return offset
+    if softmax_type is SoftmaxType.OFF_BY_ONE:
+        return torch.zeros(1, heads, 1, 1, dtype=torch.float32, device=device)
+    return None
+
+
+def _as_rows(sink: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, h, 1, 1]`` -> ``[1, h, 1]``, broadcastable against ``lse``."""
+    return sink.reshape(1, -1, 1).to(dtype)
+
+
+def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """In place: add a partial result over a disjoint key set into the accumulators."""
+    new = torch.logaddexp(lse_acc, lse)
+    safe = new.masked_fill(new == NEG_INF, 0.0)
+    o_acc.mul_(torch.exp(lse_acc - safe).unsqueeze(-1))
+    o_acc.add_(o.to(o_acc.dtype) * torch.exp(lse.to(safe.dtype) - safe).unsqueeze(-1))
+    lse_acc.copy_(new)
+
+
+def fold_sink_(o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: torch.Tensor) -> None:
+    """In place: add the sink column once to merged vanilla stats (``lse' = logaddexp(lse, a)``)."""
+    a = _as_rows(sink, lse_acc.dtype)
+    o_acc.mul_(torch.sigmoid(lse_acc - a).unsqueeze(-1))  # exp(lse - lse'), 0 for an empty row
+    lse_acc.copy_(torch.logaddexp(lse_acc, a))
+
+
+def delta(o: torch.Tensor, grad_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FlashAttention's ``D = rowsum(dO * o)`` as ``[b, h, s]``."""
+    return (grad_out.to(dtype) * o.to(dtype)).sum(-1)
+
+
+def sink_grad(o: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
+              sink: torch.Tensor) -> torch.Tensor:
+    """``d a_h = -sum_rows exp(a_h - lse') * D`` over the rows given, as ``[1, h, 1, 1]`` fp32/fp64.
+
+    ``o`` and ``lse`` must be the final, sink-inclusive results of those rows. A row's heads are
+    query heads, so under GQA each sink still sums only its own head's rows.
+    """
+    dtype = lse.dtype
+    weight = torch.exp(_as_rows(sink, dtype) - lse)
+    grad = -(weight * delta(o, grad_out, dtype)).sum(dim=(0, 2))
+    return grad.reshape(1, -1, 1, 1).to(sink.dtype)
