@@ -14,9 +14,9 @@ from typing import Optional, Protocol
 
 import torch
 
-from .options import CPOptions, Fault, SinkStrategy
-from .plan import RankPlan, Step, Tile
-from .sink import fold_sink_, merge_, sink_grad
+from .options import CPOptions, Fault, SinkGrad, SinkStrategy, accum_dtype
+from .plan import RankPlan, Step, Tile, global_rows, ring_plan
+from .sink import fold_sink_, merge_, sink_grad, sink_logits
 
 
 class KVSource(Protocol):
@@ -106,3 +106,127 @@ def run_backward(plan: RankPlan, q: torch.Tensor, out: torch.Tensor, grad_out: t
     if sink is not None and strategy is SinkStrategy.POST_MERGE:
         d_sink = sink_grad(out, grad_out, lse, sink)
     return d_sink
+
+
+class RingKV:
+    """K/V of each step over the ring: step i+1's exchange is in flight while step i computes."""
+
+    def __init__(self, comm, k: torch.Tensor, v: torch.Tensor, fmt, phase: str, fault: Optional[Fault] = None):
+        self.comm, self.fmt, self.phase, self.fault = comm, fmt, phase, fault
+        self.bufs = [torch.stack([k, v])]
+        self.bufs.append(torch.empty_like(self.bufs[0]))
+        self.pending = None
+
+    def get(self, step: Step):
+        i = step.index
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        if self.fault in (Fault.STALL, Fault.CRASH) and self.phase == "fwd" and i == 0 and self.comm.rank == 1:
+            _inject_rank_failure(self.fault)
+        cur = self.bufs[i % 2]
+        if i + 1 < self.comm.size:
+            self.pending = self.comm.exchange(cur, self.bufs[(i + 1) % 2], "kv", self.phase, i)
+        return self.fmt.to_bhsd(cur[0]), self.fmt.to_bhsd(cur[1])
+
+
+class RingDKV:
+    """dK/dV travel one hop behind K/V: each step adds its tiles to what the previous rank sent
+    and passes the sum on; after the last step every shard's gradient has arrived home."""
+
+    def __init__(self, comm, shape, dtype: torch.dtype, device, fmt):
+        self.comm, self.fmt = comm, fmt
+        self.parts = [torch.empty((2, *shape), dtype=dtype, device=device) for _ in range(2)]
+        self.incoming = [torch.empty_like(self.parts[0]) for _ in range(2)]
+        self.pending = None
+        self.last = 0
+
+    def start(self, step: Step):
+        part = self.parts[step.index % 2].zero_()
+        return self.fmt.to_bhsd(part[0]), self.fmt.to_bhsd(part[1])
+
+    def finish(self, step: Step) -> None:
+        i = step.index
+        part = self.parts[i % 2]
+        if self.pending is not None:
+            self.pending.wait()
+            part += self.incoming[(i - 1) % 2]
+        if self.comm.size > 1:
+            self.pending = self.comm.exchange(part, self.incoming[i % 2], "dkv", "bwd", i)
+        self.last = i
+
+    def home(self) -> torch.Tensor:
+        """``[2, *kv_shape]``: this rank's own dK and dV, summed over every rank's tiles."""
+        if self.comm.size == 1:
+            return self.parts[0]
+        self.pending.wait()
+        return self.incoming[self.last % 2]
+
+
+def _inject_rank_failure(fault: Fault) -> None:
+    import os
+    import time
+    if fault is Fault.CRASH:
+        os._exit(17)
+    while True:  # Fault.STALL: stop answering; the peers' timeouts must catch it
+        time.sleep(60)
+
+
+class P2PAttention(torch.autograd.Function):
+    """Ring attention over ``comm`` on this rank's load-balanced shard (user layout in and out)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offset, bias, opts: CPOptions, comm):
+        fmt = opts.spec.qkv_format
+        chunk = q.shape[fmt.seq_dim] // 2
+        plan = ring_plan(comm.size, comm.rank, chunk, opts.spec.band)
+        acc = accum_dtype(q.dtype)
+        h = q.shape[2]
+        sink = None if opts.fault is Fault.VANILLA_FALLBACK else \
+            sink_logits(opts.spec.softmax_type, offset, h, q.device)
+        bias_tiles = _bias_tiles(bias, plan, comm.size, chunk, acc)
+        o_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full((q.shape[1 - fmt.seq_dim], h, 2 * chunk), float("-inf"), dtype=acc, device=q.device)
+        run_forward(plan, fmt.to_bhsd(q), RingKV(comm, k, v, fmt, "fwd", opts.fault), sink, bias_tiles, opts,
+                    fmt.to_bhsd(o_acc), lse)
+        out = o_acc.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, offset, bias)
+        ctx.opts, ctx.comm, ctx.plan, ctx.sink_is_param = opts, comm, plan, offset is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, offset, bias = ctx.saved_tensors
+        opts, comm, plan = ctx.opts, ctx.comm, ctx.plan
+        fmt = opts.spec.qkv_format
+        acc = accum_dtype(q.dtype)
+        sink = None if opts.fault is Fault.VANILLA_FALLBACK else \
+            sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device)
+        bias_tiles = _bias_tiles(bias, plan, comm.size, plan.chunk, acc)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv = RingDKV(comm, k.shape, acc, q.device, fmt)
+        d_sink = run_backward(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), fmt.to_bhsd(grad_out), lse,
+                              RingKV(comm, k, v, fmt, "bwd"), dkv, sink, bias_tiles, opts, fmt.to_bhsd(dq))
+        dk, dv = dkv.home()
+        d_offset = d_bias = None
+        if ctx.sink_is_param:
+            d_offset = d_sink if d_sink is not None else torch.zeros_like(offset)
+            d_offset = reduce_replicated(d_offset, comm, opts, "sink gradient all-reduce")
+        if bias is not None:
+            d_bias = reduce_replicated(bias_tiles.grad, comm, opts, "bias gradient all-reduce").to(bias.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_offset, d_bias, None, None
+
+
+def reduce_replicated(grad: torch.Tensor, comm, opts: CPOptions, what: str) -> torch.Tensor:
+    """Apply the ``sink_grad`` contract to a replicated tensor's gradient (this rank's rows' part)."""
+    if opts.sink_grad is SinkGrad.FULL and opts.fault is not Fault.NO_SINK_REDUCE and comm.size > 1:
+        comm.all_reduce_(grad, what)
+    return grad
+
+
+def _bias_tiles(bias, plan: RankPlan, cp: int, chunk: int, acc) -> Optional[BiasTiles]:
+    if bias is None:
+        return None
+    device = bias.device
+    positions = [global_rows(cp, r, chunk, device) for r in range(cp)]
+    return BiasTiles(bias, plan, positions[plan.rank], positions, acc)

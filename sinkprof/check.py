@@ -1,0 +1,304 @@
+"""``sinkprof check``: CP attention against the single-device reference over a matrix of cases.
+
+Every rank builds the same seeded inputs, computes the fp64 reference on the full sequence (fresh
+tensors nothing else writes into, fingerprinted), runs the CP attention on its shard, and compares
+its shard of out, dq, dk, dv and the replicated gradients (sink, bias) under the chosen contract.
+Errors are reduced (max) over ranks; rank 0 reports. Message counts per ring step are checked
+against the plan (the comm-count contract).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .context_parallel import _cp_attention, comm_for
+from .dist import RankInfo, where
+from .options import (Comm as CommType, DTYPES, Fault, MaskType, QKVFormat, SinkGrad, SinkStrategy,
+                      SoftmaxType, make_spec)
+from .plan import chunk_ids, expected_comm, shard
+from .testing import (Error, Result, Shape, Snapshot, Tolerance, compare, dtype_name, make_inputs, reference,
+                      shares_storage, tolerance_for)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run of ``check``: lists are crossed into cases. The defaults are the embedded CPU default."""
+
+    comm: tuple = ("p2p",)
+    softmax: tuple = ("vanilla", "off-by-one", "learnable")
+    mask: tuple = ("causal", "no_mask")
+    qkv_format: tuple = ("bshd",)
+    dtype: tuple = ("fp64", "bf16")
+    sink_strategy: tuple = ("step0",)
+    sink_grad: tuple = ("full",)
+    window: Optional[tuple] = None
+    bias: bool = False
+    b: int = 2
+    s: int = 64
+    h: int = 4
+    g: int = 2
+    d: int = 16
+    nproc: int = 2
+    device: str = "cpu"
+    backend: str = "auto"
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the setting for anything a run would trip over later."""
+        for name, enum in (("comm", CommType), ("softmax", SoftmaxType), ("mask", MaskType),
+                           ("qkv_format", QKVFormat), ("sink_strategy", SinkStrategy), ("sink_grad", SinkGrad)):
+            for value in getattr(self, name):
+                enum.parse(value, name)
+        if SinkStrategy.EVERY_TILE.value in self.sink_strategy:
+            raise ValueError("sink_strategy 'every-tile' is the known bug; inject it with --inject sink-every-tile")
+        for name in self.dtype:
+            if name not in DTYPES:
+                raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r} is not supported; use cpu or cuda")
+        if self.nproc < 1:
+            raise ValueError(f"nproc={self.nproc} must be >= 1")
+        Shape(self.b, self.s, self.h, self.g, self.d).validate(self.nproc)
+        for mask in self.mask:
+            make_spec("vanilla", mask, self.window, "bshd")
+
+
+@dataclass(frozen=True)
+class Case:
+    comm: CommType
+    softmax: SoftmaxType
+    mask: MaskType
+    qkv_format: QKVFormat
+    dtype: str
+    sink_strategy: SinkStrategy
+    sink_grad: SinkGrad
+    window: Optional[tuple]
+    bias: bool
+    shape: Shape
+
+    @property
+    def label(self) -> str:
+        parts = [self.comm.value, self.softmax.value, self.mask.value, self.qkv_format.value, self.dtype]
+        if self.softmax.has_sink:
+            parts += [self.sink_strategy.value, f"grad={self.sink_grad.value}"]
+        if self.window is not None:
+            parts.append(f"window={self.window[0]},{self.window[1]}")
+        if self.bias:
+            parts.append("bias")
+        return "/".join(parts)
+
+
+def expand(settings: Settings) -> list[Case]:
+    """The cross product of the settings' lists; sink options only multiply cases that have a sink."""
+    shape = Shape(settings.b, settings.s, settings.h, settings.g, settings.d)
+    cases = []
+    for comm, softmax, mask, fmt, dtype in itertools.product(settings.comm, settings.softmax, settings.mask,
+                                                             settings.qkv_format, settings.dtype):
+        sm = SoftmaxType.parse(softmax, "softmax")
+        strategies = settings.sink_strategy if sm.has_sink else settings.sink_strategy[:1]
+        contracts = settings.sink_grad if sm.has_sink or settings.bias else settings.sink_grad[:1]
+        for strategy, contract in itertools.product(strategies, contracts):
+            cases.append(Case(CommType.parse(comm, "comm"), sm, MaskType.parse(mask, "mask"),
+                              QKVFormat.parse(fmt, "qkv_format"), dtype, SinkStrategy.parse(strategy, "sink_strategy"),
+                              SinkGrad.parse(contract, "sink_grad"), settings.window, settings.bias, shape))
+    return cases
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    cp: int
+    passed: bool
+    errors: dict              # name -> Error (max over ranks)
+    tolerance: Tolerance
+    seconds: float
+    notes: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        c = self.case
+        return {"comm": c.comm.value, "softmax": c.softmax.value, "mask": c.mask.value,
+                "qkv_format": c.qkv_format.value, "dtype": c.dtype, "cp": self.cp,
+                "sink_strategy": c.sink_strategy.value if c.softmax.has_sink else None,
+                "sink_grad": c.sink_grad.value, "window": list(c.window) if c.window else None, "bias": c.bias,
+                "shape": asdict(c.shape), "passed": self.passed,
+                "errors": {k: {"max_abs": e.max_abs, "worst": e.worst, "passed": e.passed} for k, e in self.errors.items()},
+                "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol},
+                "seconds": self.seconds, "notes": self.notes}
+
+
+# The tensors compared, in a fixed order so ranks can reduce them element by element.
+NAMES = ("out", "dq", "dk", "dv", "d_sink", "d_sink_sum", "d_bias", "d_bias_sum", "comm", "reference")
+
+
+def _local_rows(full_len: int, cp: int, rank: int) -> torch.Tensor:
+    rows = torch.zeros(full_len, dtype=torch.bool)
+    chunk = full_len // (2 * cp)
+    for c in chunk_ids(cp, rank):
+        rows[c * chunk:(c + 1) * chunk] = True
+    return rows
+
+
+def run_case(case: Case, info: RankInfo, seed: int, backend: str, fault: Optional[Fault], timeout: float) -> CaseResult:
+    """One case on this rank; every rank returns the same (reduced) result."""
+    where.case, where.phase, where.step, where.op = case.label, "setup", -1, "reference"
+    cp, rank, device = info.world, info.rank, info.device
+    spec = make_spec(case.softmax, case.mask, case.window, case.qkv_format)
+    dtype = DTYPES[case.dtype]
+    sd = spec.qkv_format.seq_dim
+    host = make_inputs(case.shape, spec, seed, with_bias=case.bias)
+    # The reference sees exactly the values the CP run sees (rounded to the case's dtype).
+    rounded = host.to("cpu", dtype)
+    ref = reference(rounded.to(device, torch.float64), spec)
+    snapshot = Snapshot.of(ref)
+    ref_part = None
+    if case.sink_grad is SinkGrad.PARTIAL and (host.offset is not None or host.bias is not None):
+        ref_part = reference(rounded.to(device, torch.float64), spec,
+                             rows=_local_rows(case.shape.s, cp, rank))
+
+    x = rounded.to(device, dtype)
+    q, k, v = (shard(t, cp, rank, sd).requires_grad_() for t in (x.q, x.k, x.v))
+    offset = x.offset.requires_grad_() if x.offset is not None else None
+    bias = x.bias.requires_grad_() if x.bias is not None else None
+    grad_out = shard(x.grad_out, cp, rank, sd)
+    comm = comm_for(None, timeout)
+    comm.counts.clear()
+
+    t0 = time.perf_counter()
+    out = _cp_attention(q, k, v, offset, comm=case.comm.value, softmax_type=case.softmax, mask=case.mask,
+                        window=case.window, bias=bias, qkv_format=case.qkv_format, backend=backend,
+                        sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=timeout, fault=fault)
+    if fault is Fault.ALIASED_REFERENCE and offset is not None:
+        # The seed bug: the "reference" gradient is the very tensor the CP backward accumulates into.
+        offset.grad = ref.d_offset.to(offset.dtype)
+        ref.d_offset = offset.grad
+    out.backward(grad_out)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    where.phase, where.op = "compare", "-"
+
+    got = Result(out, q.grad, k.grad, v.grad, offset.grad if offset is not None else None,
+                 bias.grad if bias is not None else None)
+    tol = tolerance_for(dtype, gqa=case.shape.h != case.shape.g)
+    errors: dict[str, Error] = {}
+    for name, mine, theirs in (("out", got.out, ref.out), ("dq", got.dq, ref.dq), ("dk", got.dk, ref.dk),
+                               ("dv", got.dv, ref.dv)):
+        errors[name] = compare(mine, shard(theirs, cp, rank, sd), tol)
+    for name, mine, full_ref, part_ref in (("d_sink", got.d_offset, ref.d_offset, ref_part and ref_part.d_offset),
+                                           ("d_bias", got.d_bias, ref.d_bias, ref_part and ref_part.d_bias)):
+        if mine is None:
+            continue
+        if case.sink_grad is SinkGrad.FULL:
+            errors[name] = compare(mine, full_ref, tol)
+        else:
+            errors[name] = compare(mine, part_ref, tol)
+            total = mine.detach().clone()
+            comm.all_reduce_(total, f"{name} check sum")
+            errors[name + "_sum"] = compare(total, full_ref, tol)
+
+    expected = {(c.phase, c.step, c.kind): c.messages for c in expected_comm(cp)} if case.comm is CommType.P2P else None
+    notes = []
+    if expected is not None and dict(comm.counts) != expected:
+        notes.append(f"rank {rank}: messages per step {dict(comm.counts)} differ from the plan's {expected}")
+        errors["comm"] = Error(float("nan"), float("inf"), False)
+    aliased = [n for n, t in got.named().items() if any(shares_storage(t, r) for r in ref.named().values())]
+    changed = snapshot.changed(ref)
+    if aliased or changed:
+        notes.append(f"rank {rank}: the reference is not independent of the CP run "
+                     f"(shares storage: {aliased or '-'}; modified after it was computed: {changed or '-'})")
+        errors["reference"] = Error(float("nan"), float("inf"), False)
+    return _reduce(case, cp, errors, tol, seconds, notes, info, comm)
+
+
+def _reduce(case, cp, errors, tol, seconds, notes, info: RankInfo, comm) -> CaseResult:
+    """Max of every error and of the time over ranks; a failure on any rank fails the case."""
+    dev = info.device if info.backend == "nccl" else torch.device("cpu")
+    # Any rank may add "comm" or "reference": agree on which entries exist before reducing values.
+    present = torch.tensor([float(n in errors) for n in NAMES], dtype=torch.float64, device=dev)
+    comm.all_reduce_(present, "result presence", op=dist.ReduceOp.MAX)
+    names = [n for n, p in zip(NAMES, present.tolist()) if p]
+    values = []
+    for n in names:
+        e = errors.get(n, Error(0.0, 0.0, True))
+        values += [e.max_abs if e.max_abs == e.max_abs else float("inf"), e.worst, float(not e.passed)]
+    t = torch.tensor(values + [seconds], dtype=torch.float64, device=dev)
+    comm.all_reduce_(t, "result reduce", op=dist.ReduceOp.MAX)
+    vals = t.tolist()
+    reduced = {n: Error(vals[3 * i], vals[3 * i + 1], vals[3 * i + 2] == 0.0) for i, n in enumerate(names)}
+    return CaseResult(case, cp, all(e.passed for e in reduced.values()), reduced, tol, vals[-1], notes)
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    format: str = "table"          # table or json
+    output: Optional[str] = None   # a file, written whole; stdout when None
+
+
+def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: float,
+              report: ReportOptions) -> int:
+    """The body every rank runs over every settings group; rank 0 reports; exit 0 only if all passed."""
+    results = [run_case(case, info, settings.seed, settings.backend, fault, timeout)
+               for settings in groups for case in expand(settings)]
+    passed = all(r.passed for r in results)
+    if info.rank == 0:
+        render(results, passed, info, groups[0], fault, report)
+    return 0 if passed else 1
+
+
+def render(results: list, passed: bool, info: RankInfo, settings: Settings, fault, report: ReportOptions) -> None:
+    import io
+    import json
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .files import atomic_write_text
+
+    doc = {"passed": passed, "cp": info.world, "device": str(info.device), "dist_backend": info.backend,
+           "fault": fault.value if fault else None, "seed": settings.seed,
+           "cases": [r.to_json() for r in results]}
+    if report.format == "json":
+        text = json.dumps(doc, indent=2) + "\n"
+    else:
+        table = Table(title=f"sinkprof check: cp={info.world} on {info.device} ({info.backend})"
+                            + (f", injected fault {fault.value}" if fault else ""))
+        cols = [n for n in NAMES if any(n in r.errors for r in results)]
+        table.add_column("case")
+        for n in cols:
+            table.add_column(n, justify="right")
+        table.add_column("atol/rtol")
+        table.add_column("time", justify="right")
+        table.add_column("result")
+        for r in results:
+            cells = []
+            for n in cols:
+                e = r.errors.get(n)
+                if e is None:
+                    cells.append("")
+                elif n in ("comm", "reference"):
+                    cells.append("ok" if e.passed else "[red]FAIL[/red]")
+                else:
+                    cells.append(f"{e.max_abs:.1e}" if e.passed else f"[red]{e.max_abs:.1e}[/red]")
+            table.add_row(r.case.label, *cells, f"{r.tolerance.atol:g}/{r.tolerance.rtol:g}", f"{r.seconds:.2f}s",
+                          "[green]pass[/green]" if r.passed else "[red]FAIL[/red]")
+        buf = io.StringIO()
+        console = Console(file=buf, width=200) if report.output else \
+            Console(width=None if sys.stdout.isatty() else 200)
+        console.print(table)
+        notes = [n for r in results for n in r.notes]
+        for n in notes:
+            console.print(f"note: {n}")
+        failed = sum(not r.passed for r in results)
+        console.print(f"{len(results) - failed} passed, {failed} failed")
+        text = buf.getvalue()
+    if report.output:
+        atomic_write_text(report.output, text)
+        print(f"sinkprof check: {'passed' if passed else 'FAILED'}; wrote {report.output}")
+    elif report.format == "json":
+        sys.stdout.write(text)

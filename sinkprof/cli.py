@@ -1,0 +1,267 @@
+"""The ``sinkprof`` command line: it parses options and delegates; the work lives in the modules."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import sys
+from enum import Enum
+from typing import Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .options import MaskType, SinkStrategy
+
+app = typer.Typer(add_completion=False, no_args_is_help=False, rich_markup_mode=None,
+                  help="Correctness checks and profiles of context-parallel attention with attention sinks.",
+                  context_settings={"help_option_names": ["-h", "--help"]})
+console = Console(width=None if sys.stdout.isatty() else 160)
+
+
+class OutputFormat(str, Enum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+def _version(value: bool):
+    if value:
+        print(f"sinkprof {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")):
+    """sinkprof: is my context-parallel attention with a sink correct, and where does its time go."""
+
+
+def split_list(value: str, option: str, parse: Callable = str, allowed: Optional[list] = None) -> list:
+    """``"a,b"`` -> parsed items; ``all`` expands to ``allowed``; errors name the option."""
+    items = [v.strip() for v in str(value).split(",") if v.strip()]
+    if not items:
+        raise typer.BadParameter(f"{option} needs at least one value")
+    if allowed is not None and items == ["all"]:
+        items = list(allowed)
+    out = []
+    for item in items:
+        try:
+            out.append(parse(item))
+        except (ValueError, TypeError) as exc:
+            raise typer.BadParameter(f"{option}: {exc}" if str(exc) else f"{option}: bad value {item!r}")
+        if allowed is not None and item not in allowed:
+            raise typer.BadParameter(f"{option}: {item!r} is not one of {', '.join(allowed)} (or 'all')")
+    return out
+
+
+def parse_window(value: Optional[str]):
+    if value is None:
+        return None
+    try:
+        left, right = (int(v) for v in value.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"--window {value!r} must be LEFT,RIGHT (ints, -1 = unbounded), e.g. 128,0")
+    return (left, right)
+
+
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise ValueError(f"{n} must be >= 1")
+    return n
+
+
+def _emit(text: str, output: Optional[str]) -> None:
+    if output:
+        from .files import atomic_write_text
+        atomic_write_text(output, text)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+@app.command()
+def emulate(
+    cp: str = typer.Option("2,4,8", help="Comma-separated CP sizes to replay."),
+    mask: str = typer.Option("all", help="causal, no_mask or all."),
+    strategy: str = typer.Option("all", help="Sink strategies: step0, post-merge, every-tile (the bug) or all."),
+    window: Optional[str] = typer.Option(None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
+    b: int = typer.Option(2, min=1, help="Batch."),
+    s: int = typer.Option(64, min=2, help="Full sequence length (divisible by 2 * every cp)."),
+    h: int = typer.Option(4, min=1, help="Query heads."),
+    g: int = typer.Option(2, min=1, help="K/V heads (h % g == 0)."),
+    d: int = typer.Option(16, min=1, help="Head dim."),
+    seed: int = typer.Option(0, help="Seed of the CPU generator for inputs and offsets (randn * 5)."),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table, json or csv."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the result here instead of stdout."),
+):
+    """Replay every rank's ring schedule in fp64 in one process and compare with the reference.
+
+    Exit 0 when step0 and post-merge match to 1e-12 and the every-tile bug is detected, else 1.
+    """
+    from .emulate import EMULATE_TOLERANCE
+    from .emulate import emulate as run
+    from .testing import Shape
+
+    cps = split_list(cp, "--cp", _positive_int)
+    masks = split_list(mask, "--mask", allowed=[m.value for m in MaskType])
+    strategies = split_list(strategy, "--strategy", lambda v: SinkStrategy.parse(v, "--strategy"),
+                            allowed=[x.value for x in SinkStrategy])
+    shape = Shape(b, s, h, g, d)
+    try:
+        for n in cps:
+            shape.validate(n)
+        rows = run(cps, masks, strategies, shape, seed, parse_window(window))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc))
+    ok = all(r.ok for r in rows)
+    if fmt is OutputFormat.json:
+        text = json.dumps({"passed": ok, "tolerance": EMULATE_TOLERANCE, "shape": dataclasses.asdict(shape),
+                           "window": window, "seed": seed, "results": [dataclasses.asdict(r) for r in rows]},
+                          indent=2)
+        _emit(text, output)
+    elif fmt is OutputFormat.csv:
+        import pandas as pd
+        buf = io.StringIO()
+        pd.DataFrame([dataclasses.asdict(r) for r in rows]).to_csv(buf, index=False)
+        _emit(buf.getvalue(), output)
+    else:
+        table = Table(title=f"fp64 ring replay vs reference (tolerance {EMULATE_TOLERANCE:g}, b={b} s={s} "
+                            f"h={h} g={g} d={d}, learnable sink randn*5)")
+        for col in ("cp", "mask", "strategy", "out", "dq", "dk", "dv", "d_sink", "d_sink ratio", "verdict"):
+            table.add_column(col, justify="right" if col not in ("mask", "strategy", "verdict") else "left")
+        for r in rows:
+            verdict = ("ok" if r.passed else "WRONG") if r.strategy != "every-tile" else \
+                ("bug detected" if not r.passed else "BUG NOT DETECTED")
+            style = "green" if r.ok else "red"
+            table.add_row(str(r.cp), r.mask, r.strategy, *(f"{x:.1e}" for x in (
+                r.out_max_abs_err, r.dq_max_abs_err, r.dk_max_abs_err, r.dv_max_abs_err, r.dsink_max_abs_err)),
+                f"{r.dsink_ratio_min:.4f}..{r.dsink_ratio_max:.4f}", f"[{style}]{verdict}[/{style}]")
+        if output:
+            rec = Console(file=io.StringIO(), width=160, record=True)
+            rec.print(table)
+            _emit(rec.export_text(), output)
+        else:
+            console.print(table)
+    raise typer.Exit(0 if ok else 1)
+
+
+def main() -> None:
+    app()
+
+
+def _settings_overrides(**opts) -> dict:
+    """Command-line values for ``check.Settings`` fields; None means "not given"."""
+    out = {}
+    lists = {"comm", "softmax", "mask", "qkv_format", "dtype", "sink_strategy", "sink_grad"}
+    for key, value in opts.items():
+        if value is None:
+            continue
+        if key in lists:
+            value = tuple(v.strip() for v in value.split(",") if v.strip())
+            if value == ("all",):
+                value = None if key in ("comm",) else _ALL[key]
+        elif key == "window":
+            value = parse_window(value)
+        out[key] = value
+    return out
+
+
+_ALL = {"softmax": ("vanilla", "off-by-one", "learnable"), "mask": ("causal", "no_mask"),
+        "qkv_format": ("bshd", "sbhd"), "dtype": ("fp64", "fp32", "bf16", "fp16"),
+        "sink_strategy": ("step0", "post-merge"), "sink_grad": ("full", "partial")}
+
+
+@app.command()
+def check(
+    profile: Optional[str] = typer.Option(None, help="Named profile (see `sinkprof profiles`) or a .toml path."),
+    comm: Optional[str] = typer.Option(None, help="p2p (comma list)."),
+    softmax: Optional[str] = typer.Option(None, help="vanilla, off-by-one, learnable (comma list) or all."),
+    mask: Optional[str] = typer.Option(None, help="causal, no_mask (comma list) or all."),
+    qkv_format: Optional[str] = typer.Option(None, "--qkv-format", help="bshd, sbhd (comma list) or all."),
+    dtype: Optional[str] = typer.Option(None, help="fp64, fp32, bf16, fp16 (comma list) or all."),
+    sink_strategy: Optional[str] = typer.Option(None, "--sink-strategy", help="step0, post-merge or all."),
+    sink_grad: Optional[str] = typer.Option(None, "--sink-grad", help="full, partial or all."),
+    window: Optional[str] = typer.Option(None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
+    bias: Optional[bool] = typer.Option(None, "--bias/--no-bias", help="Add a learnable [1, h, S, S] bias."),
+    b: Optional[int] = typer.Option(None, help="Batch."),
+    s: Optional[int] = typer.Option(None, help="Full sequence length (divisible by 2 * cp)."),
+    h: Optional[int] = typer.Option(None, help="Query heads."),
+    g: Optional[int] = typer.Option(None, help="K/V heads (h % g == 0)."),
+    d: Optional[int] = typer.Option(None, help="Head dim."),
+    nproc: Optional[int] = typer.Option(None, help="Ranks to self-launch (cp size); ignored under torchrun."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda."),
+    backend: Optional[str] = typer.Option(None, help="Tile kernels: auto, torch or cudnn."),
+    dist_backend: str = typer.Option("auto", "--dist-backend", help="auto (nccl with a GPU per rank, else gloo), gloo or nccl."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the CPU generator for all inputs."),
+    inject: Optional[str] = typer.Option(None, help="Inject a bug to prove the check fails: sink-every-tile, "
+                                                    "no-sink-reduce, aliased-reference, vanilla-fallback, stall, crash."),
+    timeout: float = typer.Option(120.0, min=1.0, help="Seconds any one exchange or collective may take."),
+    run_timeout: float = typer.Option(900.0, "--run-timeout", min=1.0, help="Seconds the whole run may take."),
+    fmt: str = typer.Option("table", "--format", help="table or json."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report here (whole file)."),
+):
+    """Check CP attention (out, dq, dk, dv, sink and bias gradients) against the fp64 reference.
+
+    Exit 0 when every case passes, 1 when any fails or hangs, 2 for usage errors.
+    """
+    from . import dist as rt
+    from .check import ReportOptions, check_job
+    from .options import Fault
+    from .profiles import find
+
+    if fmt not in ("table", "json"):
+        raise typer.BadParameter(f"--format {fmt!r}: use table or json")
+    if dist_backend not in ("auto", "gloo", "nccl"):
+        raise typer.BadParameter(f"--dist-backend {dist_backend!r}: use auto, gloo or nccl")
+    try:
+        fault = Fault.parse(inject, "--inject") if inject else None
+        overrides = _settings_overrides(comm=comm, softmax=softmax, mask=mask, qkv_format=qkv_format, dtype=dtype,
+                                        sink_strategy=sink_strategy, sink_grad=sink_grad, window=window, bias=bias,
+                                        b=b, s=s, h=h, g=g, d=d, nproc=nproc, device=device, backend=backend,
+                                        seed=seed)
+        if rt.under_torchrun():
+            import os
+            world = int(os.environ["WORLD_SIZE"])
+            if nproc is not None and nproc != world:
+                raise ValueError(f"--nproc {nproc} differs from torchrun's WORLD_SIZE={world}; drop --nproc")
+            overrides["nproc"] = world
+        groups = find(profile).resolve(overrides)
+        for settings in groups:
+            settings.validate()
+    except (ValueError, TypeError) as exc:
+        raise typer.BadParameter(str(exc))
+    first = groups[0]
+    if any(gr.nproc != first.nproc or gr.device != first.device for gr in groups):
+        raise typer.BadParameter("all [[cases]] of a profile must share nproc and device")
+    if first.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise typer.BadParameter("--device cuda: no CUDA device is visible here; use --device cpu")
+    code = rt.launch(check_job, (groups, fault, timeout, ReportOptions(fmt, output)), nproc=first.nproc,
+                     device=first.device, backend=dist_backend, timeout=timeout, run_timeout=run_timeout)
+    raise typer.Exit(code)
+
+
+@app.command()
+def profiles(name: Optional[str] = typer.Argument(None, help="Show this profile's settings.")):
+    """List the named run configurations, or show one."""
+    from .profiles import available, find
+    if name is None:
+        table = Table(title="profiles")
+        table.add_column("name")
+        table.add_column("description")
+        table.add_column("file")
+        for n, path in available().items():
+            table.add_row(n, find(n).description, str(path))
+        console.print(table)
+        return
+    try:
+        prof = find(name)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc))
+    console.print(f"[bold]{prof.name}[/bold]: {prof.description}  ({prof.path})")
+    for i, settings in enumerate(prof.resolve({})):
+        console.print(f"group {i + 1}: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(settings).items()))
