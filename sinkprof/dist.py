@@ -104,7 +104,11 @@ class Comm:
         ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
                dist.P2POp(dist.irecv, host_recv if host_recv is not None else recv, self.prev, self.group, tag)]
         what = f"{phase} step {step} {kind} exchange (send to rank {self.next}, receive from rank {self.prev})"
-        return Pending(dist.batch_isend_irecv(ops), recv, host_recv, self, what)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as exc:  # a dead peer can fail the post itself
+            raise CommError(f"rank {dist.get_rank()}: {what} could not start at {where}: {exc}") from None
+        return Pending(works, recv, host_recv, self, what)
 
     def all_reduce_(self, t: torch.Tensor, what: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce ``t`` over the group (sum by default), in place."""
@@ -150,6 +154,7 @@ def init_from_env(device: str, requested_backend: str, timeout: float) -> RankIn
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # ranks share the cores
     kwargs = {"device_id": dev} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout), **kwargs)

@@ -1,0 +1,99 @@
+"""The ring plan as data: layout, exact coverage of the attention matrix, sink placement."""
+import itertools
+
+import pytest
+import torch
+
+import sinkprof
+from sinkprof.options import Band
+from sinkprof.plan import CommCount, chunk_ids, expected_comm, global_rows, ring_plan
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+@pytest.mark.parametrize("seq_dim", [0, 1])
+def test_shard_unshard_round_trip_and_layout(cp, seq_dim):
+    s = 2 * cp * 3
+    x = torch.arange(s).view(-1, 1).expand(s, 2) if seq_dim == 0 else torch.arange(s).view(1, -1).expand(2, s)
+    shards = [sinkprof.shard(x, cp, r, seq_dim) for r in range(cp)]
+    assert torch.equal(sinkprof.unshard(shards, seq_dim), x)
+    for r, part in enumerate(shards):
+        rows = part[:, 0] if seq_dim == 0 else part[0]
+        assert torch.equal(rows, global_rows(cp, r, 3))
+        first, second = chunk_ids(cp, r)
+        assert rows[0].item() == 3 * first and rows[3].item() == 3 * second
+
+
+def test_shard_rejects_a_sequence_that_does_not_split_into_2cp_chunks():
+    with pytest.raises(ValueError, match="divisible by 2 \\* cp = 6"):
+        sinkprof.shard(torch.zeros(2, 10), 3, 0, 1)
+    with pytest.raises(ValueError, match="rank=3"):
+        sinkprof.shard(torch.zeros(2, 12), 3, 3, 1)
+
+
+BANDS = [Band(None, 0), Band(), Band(-5, 0), Band(-3, 2), Band(0, 0), Band(None, 4), Band(-1, None), Band(-40, 0)]
+
+
+@pytest.mark.parametrize("cp,chunk", [(1, 4), (2, 3), (3, 4), (4, 2), (5, 3)])
+@pytest.mark.parametrize("band", BANDS, ids=str)
+def test_every_visible_pair_is_computed_exactly_once_and_every_row_gets_the_sink_once(cp, chunk, band):
+    s = 2 * cp * chunk
+    truth = band.mask(s, s)
+    truth = torch.ones(s, s, dtype=torch.bool) if truth is None else truth
+    for rank in range(cp):
+        plan = ring_plan(cp, rank, chunk, band)
+        q_pos = global_rows(cp, rank, chunk)
+        covered = torch.zeros(2 * chunk, s, dtype=torch.int64)
+        sink_rows = torch.zeros(2 * chunk, dtype=torch.int64)
+        for step in plan.steps:
+            assert step.kv_rank == (rank - step.index) % cp
+            kv_pos = global_rows(cp, step.kv_rank, chunk)
+            for tile in step.tiles:
+                nq = tile.q_rows.stop - tile.q_rows.start
+                nk = tile.kv_rows.stop - tile.kv_rows.start
+                vis = tile.band.mask(nq, nk)
+                vis = torch.ones(nq, nk, dtype=torch.bool) if vis is None else vis
+                rows = torch.arange(tile.q_rows.start, tile.q_rows.stop)
+                cols = kv_pos[tile.kv_rows]
+                covered[rows[:, None], cols[None, :]] += vis.long()
+                if tile.sink:
+                    assert step.index == 0
+                    sink_rows[rows] += 1
+        assert torch.equal(covered, truth[q_pos].long()), f"rank {rank}"
+        assert torch.equal(sink_rows, torch.ones_like(sink_rows))
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_causal_ring_has_the_load_balanced_shape_of_the_design(cp):
+    c = 5
+    for rank in range(cp):
+        steps = ring_plan(cp, rank, c, Band(None, 0)).steps
+        assert [(t.q_rows, t.kv_rows, t.band, t.sink) for t in steps[0].tiles] == \
+            [(slice(0, 2 * c), slice(0, 2 * c), Band(None, 0), True)]
+        for step in steps[1:]:
+            (tile,) = step.tiles
+            assert tile.band.is_full and not tile.sink
+            if step.index <= rank:
+                assert (tile.q_rows, tile.kv_rows) == (slice(0, 2 * c), slice(0, c))
+            else:
+                assert (tile.q_rows, tile.kv_rows) == (slice(c, 2 * c), slice(0, 2 * c))
+
+
+def test_equal_work_per_rank_under_the_causal_mask():
+    cp, c = 4, 8
+    work = []
+    for rank in range(cp):
+        total = 0
+        for step in ring_plan(cp, rank, c, Band(None, 0)).steps:
+            for t in step.tiles:
+                m = t.band.mask(t.q_rows.stop - t.q_rows.start, t.kv_rows.stop - t.kv_rows.start)
+                total += int(m.sum()) if m is not None else (t.q_rows.stop - t.q_rows.start) * (t.kv_rows.stop - t.kv_rows.start)
+        work.append(total)
+    assert len(set(work)) == 1
+
+
+def test_comm_count_contract():
+    assert expected_comm(1) == []
+    counts = expected_comm(3)
+    assert CommCount("fwd", 0, "kv", 1) in counts and CommCount("fwd", 2, "kv", 1) not in counts
+    assert sum(c.kind == "dkv" for c in counts) == 3
+    assert sum(c.kind == "kv" for c in counts) == 4
