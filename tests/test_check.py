@@ -85,7 +85,7 @@ def test_under_torchrun(tmp_path):
     script = shutil.which("sinkprof") or str(Path(sys.executable).parent / "sinkprof")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", "0", "--no-python", script, "check", "--softmax", "learnable",
+                          "--standalone", "--no-python", script, "check", "--softmax", "learnable",
                           "--dtype", "fp64", "--format", "json"],
                          capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
