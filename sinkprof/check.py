@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .context_parallel import _cp_attention, comm_for
+from .a2a import expected_a2a_comm
+from .context_parallel import _cp_attention, comm_for, cp_groups
 from .dist import RankInfo, where
 from .options import (Comm as CommType, DTYPES, Fault, MaskType, QKVFormat, SinkGrad, SinkStrategy,
                       SoftmaxType, make_spec)
@@ -38,6 +39,7 @@ class Settings:
     sink_grad: tuple = ("full",)
     window: Optional[tuple] = None
     bias: bool = False
+    a2a_size: int = 2
     b: int = 2
     s: int = 64
     h: int = 4
@@ -66,6 +68,13 @@ class Settings:
         Shape(self.b, self.s, self.h, self.g, self.d).validate(self.nproc)
         for mask in self.mask:
             make_spec("vanilla", mask, self.window, "bshd")
+        members = {"p2p": 1, "a2a": self.nproc, "a2a+p2p": self.a2a_size}
+        for comm in self.comm:
+            if comm == "a2a+p2p" and (self.a2a_size < 1 or self.nproc % self.a2a_size):
+                raise ValueError(f"a2a_size={self.a2a_size} must divide nproc={self.nproc} for comm a2a+p2p")
+            if self.h % members[comm] or self.g % members[comm]:
+                raise ValueError(f"comm {comm} splits heads over {members[comm]} ranks: h={self.h} and g={self.g} "
+                                 f"must both be divisible by {members[comm]}")
 
 
 @dataclass(frozen=True)
@@ -80,10 +89,12 @@ class Case:
     window: Optional[tuple]
     bias: bool
     shape: Shape
+    a2a_size: int = 2
 
     @property
     def label(self) -> str:
-        parts = [self.comm.value, self.softmax.value, self.mask.value, self.qkv_format.value, self.dtype]
+        comm = f"a2a+p2p({self.a2a_size})" if self.comm is CommType.A2A_P2P else self.comm.value
+        parts = [comm, self.softmax.value, self.mask.value, self.qkv_format.value, self.dtype]
         if self.softmax.has_sink:
             parts += [self.sink_strategy.value, f"grad={self.sink_grad.value}"]
         if self.window is not None:
@@ -105,7 +116,8 @@ def expand(settings: Settings) -> list[Case]:
         for strategy, contract in itertools.product(strategies, contracts):
             cases.append(Case(CommType.parse(comm, "comm"), sm, MaskType.parse(mask, "mask"),
                               QKVFormat.parse(fmt, "qkv_format"), dtype, SinkStrategy.parse(strategy, "sink_strategy"),
-                              SinkGrad.parse(contract, "sink_grad"), settings.window, settings.bias, shape))
+                              SinkGrad.parse(contract, "sink_grad"), settings.window, settings.bias, shape,
+                              settings.a2a_size))
     return cases
 
 
@@ -135,12 +147,20 @@ class CaseResult:
 NAMES = ("out", "dq", "dk", "dv", "d_sink", "d_sink_sum", "d_bias", "d_bias_sum", "comm", "reference")
 
 
-def _local_rows(full_len: int, cp: int, rank: int) -> torch.Tensor:
-    rows = torch.zeros(full_len, dtype=torch.bool)
-    chunk = full_len // (2 * cp)
-    for c in chunk_ids(cp, rank):
-        rows[c * chunk:(c + 1) * chunk] = True
-    return rows
+def own_part(comm: CommType, shape: Shape, cp: int, rank: int, a2a_size: int) -> tuple:
+    """(rows, heads) masks of what a rank computes, so its ``partial`` gradients can be checked:
+    its shard's rows under p2p, its heads under a2a, its group's rows and its heads under a2a+p2p."""
+    members = {CommType.P2P: 1, CommType.A2A: cp, CommType.A2A_P2P: a2a_size}[comm]
+    group, inner = divmod(rank, members)
+    rows = torch.zeros(shape.s, dtype=torch.bool)
+    chunk = shape.s // (2 * cp)
+    for member in range(group * members, (group + 1) * members):
+        for c in chunk_ids(cp, member):
+            rows[c * chunk:(c + 1) * chunk] = True
+    heads = torch.zeros(shape.h, dtype=torch.bool)
+    per = shape.h // members
+    heads[inner * per:(inner + 1) * per] = True
+    return rows, heads
 
 
 def run_case(case: Case, info: RankInfo, seed: int, backend: str, fault: Optional[Fault], timeout: float) -> CaseResult:
@@ -157,8 +177,8 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, fault: Optiona
     snapshot = Snapshot.of(ref)
     ref_part = None
     if case.sink_grad is SinkGrad.PARTIAL and (host.offset is not None or host.bias is not None):
-        ref_part = reference(rounded.to(device, torch.float64), spec,
-                             rows=_local_rows(case.shape.s, cp, rank))
+        rows, heads = own_part(case.comm, case.shape, cp, rank, case.a2a_size)
+        ref_part = reference(rounded.to(device, torch.float64), spec, rows=rows, heads=heads)
 
     x = rounded.to(device, dtype)
     q, k, v = (shard(t, cp, rank, sd).requires_grad_() for t in (x.q, x.k, x.v))
@@ -166,12 +186,16 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, fault: Optiona
     bias = x.bias.requires_grad_() if x.bias is not None else None
     grad_out = shard(x.grad_out, cp, rank, sd)
     comm = comm_for(None, timeout)
-    comm.counts.clear()
+    a2a_size = case.a2a_size if case.comm is CommType.A2A_P2P else None
+    groups = cp_groups(case.comm, None, a2a_size, timeout)
+    for c in (groups.inner, groups.outer):
+        c.counts.clear()
 
     t0 = time.perf_counter()
     out = _cp_attention(q, k, v, offset, comm=case.comm.value, softmax_type=case.softmax, mask=case.mask,
                         window=case.window, bias=bias, qkv_format=case.qkv_format, backend=backend,
-                        sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=timeout, fault=fault)
+                        sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=timeout, fault=fault,
+                        a2a_size=a2a_size)
     if fault is Fault.ALIASED_REFERENCE and offset is not None:
         # The seed bug: the "reference" gradient is the very tensor the CP backward accumulates into.
         offset.grad = ref.d_offset.to(offset.dtype)
@@ -201,11 +225,12 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, fault: Optiona
             comm.all_reduce_(total, f"{name} check sum")
             errors[name + "_sum"] = compare(total, full_ref, tol)
 
-    expected = {(c.phase, c.step, c.kind): c.messages for c in expected_comm(cp)} if case.comm is CommType.P2P else None
     notes = []
-    if expected is not None and dict(comm.counts) != expected:
-        notes.append(f"rank {rank}: messages per step {dict(comm.counts)} differ from the plan's {expected}")
-        errors["comm"] = Error(float("nan"), float("inf"), False)
+    for group, expected in ((groups.outer, {(c.phase, c.step, c.kind): c.messages for c in expected_comm(groups.outer.size)}),
+                            (groups.inner, expected_a2a_comm(groups.inner.size))):
+        if dict(group.counts) != expected:
+            notes.append(f"rank {rank}: messages per step {dict(group.counts)} differ from the plan's {expected}")
+            errors["comm"] = Error(float("nan"), float("inf"), False)
     aliased = [n for n, t in got.named().items() if any(shares_storage(t, r) for r in ref.named().values())]
     changed = snapshot.changed(ref)
     if aliased or changed:

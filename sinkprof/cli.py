@@ -84,7 +84,9 @@ def _emit(text: str, output: Optional[str]) -> None:
 
 @app.command()
 def emulate(
-    cp: str = typer.Option("2,4,8", help="Comma-separated CP sizes to replay."),
+    cp: str = typer.Option("2,4,8", help="Comma-separated CP sizes (total ranks) to replay."),
+    comm: str = typer.Option("p2p", help="p2p, or a2a+p2p (inner a2a groups of --a2a-size around a ring)."),
+    a2a_size: int = typer.Option(2, "--a2a-size", min=1, help="Ranks per inner a2a group for a2a+p2p."),
     mask: str = typer.Option("all", help="causal, no_mask or all."),
     strategy: str = typer.Option("all", help="Sink strategies: step0, post-merge, every-tile (the bug) or all."),
     window: Optional[str] = typer.Option(None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
@@ -113,7 +115,10 @@ def emulate(
     try:
         for n in cps:
             shape.validate(n)
-        rows = run(cps, masks, strategies, shape, seed, parse_window(window))
+        if comm not in ("p2p", "a2a+p2p"):
+            raise ValueError(f"--comm {comm!r}: emulate replays p2p or a2a+p2p")
+        rows = run(cps, masks, strategies, shape, seed, parse_window(window),
+                   a2a_size if comm == "a2a+p2p" else None)
     except ValueError as exc:
         raise typer.BadParameter(str(exc))
     ok = all(r.ok for r in rows)
@@ -130,13 +135,13 @@ def emulate(
     else:
         table = Table(title=f"fp64 ring replay vs reference (tolerance {EMULATE_TOLERANCE:g}, b={b} s={s} "
                             f"h={h} g={g} d={d}, learnable sink randn*5)")
-        for col in ("cp", "mask", "strategy", "out", "dq", "dk", "dv", "d_sink", "d_sink ratio", "verdict"):
+        for col in ("comm", "cp", "mask", "strategy", "out", "dq", "dk", "dv", "d_sink", "d_sink ratio", "verdict"):
             table.add_column(col, justify="right" if col not in ("mask", "strategy", "verdict") else "left")
         for r in rows:
             verdict = ("ok" if r.passed else "WRONG") if r.strategy != "every-tile" else \
                 ("bug detected" if not r.passed else "BUG NOT DETECTED")
             style = "green" if r.ok else "red"
-            table.add_row(str(r.cp), r.mask, r.strategy, *(f"{x:.1e}" for x in (
+            table.add_row(r.comm, str(r.cp), r.mask, r.strategy, *(f"{x:.1e}" for x in (
                 r.out_max_abs_err, r.dq_max_abs_err, r.dk_max_abs_err, r.dv_max_abs_err, r.dsink_max_abs_err)),
                 f"{r.dsink_ratio_min:.4f}..{r.dsink_ratio_max:.4f}", f"[{style}]{verdict}[/{style}]")
         if output:
@@ -162,14 +167,14 @@ def _settings_overrides(**opts) -> dict:
         if key in lists:
             value = tuple(v.strip() for v in value.split(",") if v.strip())
             if value == ("all",):
-                value = None if key in ("comm",) else _ALL[key]
+                value = _ALL[key]
         elif key == "window":
             value = parse_window(value)
         out[key] = value
     return out
 
 
-_ALL = {"softmax": ("vanilla", "off-by-one", "learnable"), "mask": ("causal", "no_mask"),
+_ALL = {"comm": ("p2p", "a2a", "a2a+p2p"), "softmax": ("vanilla", "off-by-one", "learnable"), "mask": ("causal", "no_mask"),
         "qkv_format": ("bshd", "sbhd"), "dtype": ("fp64", "fp32", "bf16", "fp16"),
         "sink_strategy": ("step0", "post-merge"), "sink_grad": ("full", "partial")}
 
@@ -177,7 +182,8 @@ _ALL = {"softmax": ("vanilla", "off-by-one", "learnable"), "mask": ("causal", "n
 @app.command()
 def check(
     profile: Optional[str] = typer.Option(None, help="Named profile (see `sinkprof profiles`) or a .toml path."),
-    comm: Optional[str] = typer.Option(None, help="p2p (comma list)."),
+    comm: Optional[str] = typer.Option(None, help="p2p, a2a, a2a+p2p (comma list) or all."),
+    a2a_size: Optional[int] = typer.Option(None, "--a2a-size", help="Ranks per inner a2a group for a2a+p2p (default 2)."),
     softmax: Optional[str] = typer.Option(None, help="vanilla, off-by-one, learnable (comma list) or all."),
     mask: Optional[str] = typer.Option(None, help="causal, no_mask (comma list) or all."),
     qkv_format: Optional[str] = typer.Option(None, "--qkv-format", help="bshd, sbhd (comma list) or all."),
@@ -221,7 +227,7 @@ def check(
         overrides = _settings_overrides(comm=comm, softmax=softmax, mask=mask, qkv_format=qkv_format, dtype=dtype,
                                         sink_strategy=sink_strategy, sink_grad=sink_grad, window=window, bias=bias,
                                         b=b, s=s, h=h, g=g, d=d, nproc=nproc, device=device, backend=backend,
-                                        seed=seed)
+                                        seed=seed, a2a_size=a2a_size)
         if rt.under_torchrun():
             import os
             world = int(os.environ["WORLD_SIZE"])

@@ -9,7 +9,8 @@ from typing import Optional
 
 import torch
 
-from .dist import DEFAULT_TIMEOUT_S, Comm
+from .dist import DEFAULT_TIMEOUT_S, Comm, SoloComm
+from .hierarchical import CPGroups, check_heads, hierarchical_attention, split_groups
 from .kernels import get_kernel
 from .options import (Comm as CommType, CPOptions, Fault, SinkGrad, SinkStrategy, check_bias, check_offset,
                       check_qkv, check_scale, make_spec)
@@ -27,7 +28,8 @@ def comm_for(group=None, timeout: float = DEFAULT_TIMEOUT_S) -> Comm:
 
 def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softmax_type="vanilla",
                  mask="no_mask", window=None, bias=None, scale=None, qkv_format="bshd", backend="auto",
-                 sink_strategy="step0", sink_grad="full", timeout: float = DEFAULT_TIMEOUT_S):
+                 sink_strategy="step0", sink_grad="full", a2a_size: Optional[int] = None,
+                 timeout: float = DEFAULT_TIMEOUT_S):
     """Attention over a sequence split across the ranks of ``group`` (default: the world).
 
     q, k, v are this rank's load-balanced shards (``sinkprof.shard``: chunks r and 2cp-1-r);
@@ -35,17 +37,22 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     ``[1|b, 1|h, S, S]``) are replicated on every rank. ``sink_strategy``: ``step0`` (the sink
     enters the step-0 tile) or ``post-merge`` (vanilla tiles, the sink folded once).
     ``sink_grad``: ``full`` (every rank returns the whole-sequence gradient of the sink and bias)
-    or ``partial`` (each rank returns its own rows' part; sum over the CP group yourself).
+    or ``partial`` (each rank returns its own part: its rows under p2p, its heads under a2a, both
+    under a2a+p2p; sum over the CP group yourself).
+
+    ``comm``: ``p2p`` (ring), ``a2a`` (Ulysses: needs h and g divisible by the group size) or
+    ``a2a+p2p`` (a2a inside groups of ``a2a_size`` consecutive ranks, a ring across them; or pass
+    ``group=(a2a_group, p2p_group)``).
     """
     return _cp_attention(q, k, v, softmax_offset, group=group, comm=comm, softmax_type=softmax_type, mask=mask,
                          window=window, bias=bias, scale=scale, qkv_format=qkv_format, backend=backend,
-                         sink_strategy=sink_strategy, sink_grad=sink_grad, timeout=timeout)
+                         sink_strategy=sink_strategy, sink_grad=sink_grad, a2a_size=a2a_size, timeout=timeout)
 
 
 def _cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softmax_type="vanilla",
                   mask="no_mask", window=None, bias=None, scale=None, qkv_format="bshd", backend="auto",
-                  sink_strategy="step0", sink_grad="full", timeout: float = DEFAULT_TIMEOUT_S,
-                  fault: Optional[Fault] = None):
+                  sink_strategy="step0", sink_grad="full", a2a_size: Optional[int] = None,
+                  timeout: float = DEFAULT_TIMEOUT_S, fault: Optional[Fault] = None):
     """``cp_attention`` plus the faults ``sinkprof check`` injects."""
     spec = make_spec(softmax_type, mask, window, qkv_format)
     comm_type = CommType.parse(comm, "comm")
@@ -61,11 +68,53 @@ def _cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softm
         raise ValueError(f"the local shard has {dims.s_q} rows; a load-balanced shard has an even number "
                          f"(two chunks, see sinkprof.shard)")
     check_offset(softmax_offset, spec.softmax_type, dims.h, q.device)
-    ring = comm_for(group, timeout)
-    full = dims.s_q * ring.size
+    groups = cp_groups(comm_type, group, a2a_size, timeout)
+    world = groups.inner.size * groups.outer.size
+    full = dims.s_q * world
     check_bias(bias, dims.b, dims.h, full, full, q.device)
+    check_heads(dims.h, dims.g, groups.inner.size)
     opts = CPOptions(spec, check_scale(scale, dims.d), get_kernel(backend, q.device), strategy, grad_contract, fault)
+    if softmax_offset is not None:
+        softmax_offset = ReplicatedGrad.apply(softmax_offset, groups, opts, "sink gradient all-reduce")
+    if bias is not None:
+        bias = ReplicatedGrad.apply(bias, groups, opts, "bias gradient all-reduce")
+    return hierarchical_attention(q, k, v, softmax_offset, bias, opts, groups)
+
+
+def cp_groups(comm_type: CommType, group, a2a_size: Optional[int], timeout: float) -> CPGroups:
+    """The (inner a2a, outer ring) groups a comm type runs on; p2p and a2a are the degenerate splits."""
     if comm_type is CommType.P2P:
-        from .ring import P2PAttention
-        return P2PAttention.apply(q, k, v, softmax_offset, bias, opts, ring)
-    raise ValueError(f"comm={comm_type.value!r} is not available in this version; use comm='p2p'")
+        if a2a_size not in (None, 1):
+            raise ValueError(f"a2a_size={a2a_size} only applies to comm='a2a+p2p'")
+        return CPGroups(SoloComm(), comm_for(group, timeout))
+    if comm_type is CommType.A2A:
+        if a2a_size is not None and a2a_size != comm_for(group, timeout).size:
+            raise ValueError(f"a2a_size={a2a_size}: comm='a2a' uses the whole group; use comm='a2a+p2p'")
+        return CPGroups(comm_for(group, timeout), SoloComm())
+    if isinstance(group, tuple):
+        if len(group) != 2 or a2a_size is not None:
+            raise ValueError("comm='a2a+p2p' takes group=(a2a_group, p2p_group) or a2a_size, not both")
+        return CPGroups(comm_for(group[0], timeout), comm_for(group[1], timeout))
+    if a2a_size is None:
+        raise ValueError("comm='a2a+p2p' needs a2a_size (ranks per inner a2a group) or group=(a2a_group, p2p_group)")
+    return split_groups(group, a2a_size, timeout)
+
+
+class ReplicatedGrad(torch.autograd.Function):
+    """Identity forward; backward applies the ``sink_grad`` contract to a replicated tensor's
+    gradient (each rank computed its own part): ``full`` all-reduces it over the CP group."""
+
+    @staticmethod
+    def forward(ctx, x, groups: CPGroups, opts: CPOptions, what: str):
+        ctx.groups, ctx.opts, ctx.what = groups, opts, what
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        opts = ctx.opts
+        if opts.sink_grad is SinkGrad.FULL and opts.fault is not Fault.NO_SINK_REDUCE:
+            grad = grad.clone()
+            for comm in (ctx.groups.inner, ctx.groups.outer):  # inner then outer: every CP rank once
+                if comm.size > 1:
+                    comm.all_reduce_(grad, ctx.what)
+        return grad, None, None, None

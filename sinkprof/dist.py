@@ -110,6 +110,21 @@ class Comm:
             raise CommError(f"rank {dist.get_rank()}: {what} could not start at {where}: {exc}") from None
         return Pending(works, recv, host_recv, self, what)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, phase: str, what: str) -> None:
+        """``out[j]`` = rank j's ``inp[me]``: dim 0 of both is the group size."""
+        self.counts[(phase, -1, "a2a")] += 1
+        where.phase, where.step, where.op = phase, -1, what
+        staged = self._host(inp)
+        send = inp.cpu() if staged else inp
+        recv = torch.empty(out.shape, dtype=out.dtype) if staged else out
+        try:
+            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        except Exception as exc:
+            raise CommError(f"rank {dist.get_rank()}: {what} could not start at {where}: {exc}") from None
+        self.wait_all([work], f"{phase} {what}")
+        if staged:
+            out.copy_(recv)
+
     def all_reduce_(self, t: torch.Tensor, what: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce ``t`` over the group (sum by default), in place."""
         where.op = what
@@ -118,6 +133,15 @@ class Comm:
         if buf is not t:
             t.copy_(buf)
         return t
+
+
+class SoloComm:
+    """A group of one: the degenerate ring of a2a, where no message is ever sent."""
+
+    size, rank = 1, 0
+
+    def __init__(self):
+        self.counts: Counter = Counter()
 
 
 @dataclass

@@ -6,12 +6,14 @@ their owner's accumulators; the loops themselves are the distributed ring's (``r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from .kernels import TorchTiles
 from .options import (AttnSpec, CPOptions, MaskType, SinkStrategy, SoftmaxType, accum_dtype, check_scale,
                       make_spec)
+from .a2a import join_outer
 from .plan import Step, global_rows, ring_plan, shard, unshard
 from .ring import BiasTiles, run_backward, run_forward
 from .sink import sink_logits
@@ -91,8 +93,47 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
     return EmulatedRing(result, parts)
 
 
+def emulate_hierarchical(inputs: Inputs, spec: AttnSpec, world: int, a2a_size: int, strategy: SinkStrategy,
+                         scale=None) -> EmulatedRing:
+    """a2a+p2p in one process: the a2a re-layout is indexing (``join_outer`` of the inner group's
+    shards, the same function the distributed a2a uses), then one ring over the outer groups per
+    inner head group. ``world`` ranks, inner groups of ``a2a_size``."""
+    if a2a_size < 1 or world % a2a_size:
+        raise ValueError(f"a2a_size={a2a_size} must divide cp={world}")
+    outer = world // a2a_size
+    h, g = inputs.q.shape[2], inputs.k.shape[2]
+    if h % a2a_size or g % a2a_size:
+        raise ValueError(f"a2a over {a2a_size} ranks needs h={h} and g={g} divisible by {a2a_size}")
+    sd = spec.qkv_format.seq_dim
+    for x in (inputs.q, inputs.k):  # the re-layout lands every group on its outer load-balanced shard
+        for o in range(outer):
+            joined = join_outer([shard(x, world, o * a2a_size + m, sd)
+                                 for m in range(a2a_size)], sd)
+            if not torch.equal(joined, shard(x, outer, o, sd)):
+                raise AssertionError(f"a2a re-layout of group {o} is not its outer shard")
+    runs = []
+    for i in range(a2a_size):
+        qh, kh = slice(i * h // a2a_size, (i + 1) * h // a2a_size), slice(i * g // a2a_size, (i + 1) * g // a2a_size)
+        bias = inputs.bias
+        if bias is not None and bias.shape[1] != 1:
+            bias = bias[:, qh]
+        part = Inputs(inputs.q[:, :, qh], inputs.k[:, :, kh], inputs.v[:, :, kh],
+                      inputs.offset[:, qh] if inputs.offset is not None else None, bias, inputs.grad_out[:, :, qh])
+        runs.append(emulate_ring(part, spec, outer, strategy, scale))
+    res = [r.result for r in runs]
+    d_bias = None
+    if inputs.bias is not None:
+        d_bias = torch.cat([r.d_bias for r in res], 1) if inputs.bias.shape[1] != 1 else sum(r.d_bias for r in res)
+    result = Result(torch.cat([r.out for r in res], 2), torch.cat([r.dq for r in res], 2),
+                    torch.cat([r.dk for r in res], 2), torch.cat([r.dv for r in res], 2),
+                    torch.cat([r.d_offset for r in res], 1) if inputs.offset is not None else None, d_bias,
+                    torch.cat([r.lse for r in res], 1))
+    return EmulatedRing(result, [p for r in runs for p in r.d_sink_parts])
+
+
 @dataclass
 class EmulateRow:
+    comm: str
     cp: int
     mask: str
     strategy: str
@@ -110,8 +151,10 @@ class EmulateRow:
 EMULATE_TOLERANCE = 1e-12
 
 
-def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None) -> list[EmulateRow]:
-    """Every (cp, mask, strategy) against the fp64 reference, with a learnable sink of ``randn * 5``."""
+def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_size: Optional[int] = None) -> list[EmulateRow]:
+    """Every (cp, mask, strategy) against the fp64 reference, with a learnable sink of ``randn * 5``.
+
+    With ``a2a_size`` the schedule is a2a+p2p: cp ranks in inner groups of ``a2a_size``."""
     rows = []
     for mask in masks:
         spec = make_spec(SoftmaxType.LEARNABLE, mask, window, "bshd")
@@ -120,11 +163,12 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None) -> lis
             inputs = make_inputs(shape, spec, seed)
             ref = reference(inputs, spec)
             for strategy in strategies:
-                got = emulate_ring(inputs, spec, cp, strategy).result
+                got = (emulate_ring(inputs, spec, cp, strategy) if a2a_size is None else
+                       emulate_hierarchical(inputs, spec, cp, a2a_size, strategy)).result
                 err = {k: (got.named()[k] - v).abs().max().item() for k, v in ref.named().items()}
                 ratio = (got.d_offset / ref.d_offset).flatten()
                 passed = max(err.values()) <= EMULATE_TOLERANCE
-                rows.append(EmulateRow(cp, MaskType.parse(mask, "mask").value, strategy.value, err["out"], err["dq"],
+                rows.append(EmulateRow("p2p" if a2a_size is None else f"a2a+p2p({a2a_size})", cp, MaskType.parse(mask, "mask").value, strategy.value, err["out"], err["dq"],
                                        err["dk"], err["dv"], err["d_sink"], ratio.min().item(), ratio.max().item(),
                                        passed, passed != (strategy is SinkStrategy.EVERY_TILE)))
     return rows

@@ -14,7 +14,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from .options import CPOptions, Fault, SinkGrad, SinkStrategy, accum_dtype
+from .options import CPOptions, Fault, SinkStrategy, accum_dtype
 from .plan import RankPlan, Step, Tile, global_rows, ring_plan
 from .sink import fold_sink_, merge_, sink_grad, sink_logits
 
@@ -209,19 +209,11 @@ class P2PAttention(torch.autograd.Function):
                               RingKV(comm, k, v, fmt, "bwd"), dkv, sink, bias_tiles, opts, fmt.to_bhsd(dq))
         dk, dv = dkv.home()
         d_offset = d_bias = None
-        if ctx.sink_is_param:
+        if ctx.sink_is_param:  # this rank's rows' part; the CP contract is applied by `replicated`
             d_offset = d_sink if d_sink is not None else torch.zeros_like(offset)
-            d_offset = reduce_replicated(d_offset, comm, opts, "sink gradient all-reduce")
         if bias is not None:
-            d_bias = reduce_replicated(bias_tiles.grad, comm, opts, "bias gradient all-reduce").to(bias.dtype)
+            d_bias = bias_tiles.grad.to(bias.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_offset, d_bias, None, None
-
-
-def reduce_replicated(grad: torch.Tensor, comm, opts: CPOptions, what: str) -> torch.Tensor:
-    """Apply the ``sink_grad`` contract to a replicated tensor's gradient (this rank's rows' part)."""
-    if opts.sink_grad is SinkGrad.FULL and opts.fault is not Fault.NO_SINK_REDUCE and comm.size > 1:
-        comm.all_reduce_(grad, what)
-    return grad
 
 
 def _bias_tiles(bias, plan: RankPlan, cp: int, chunk: int, acc) -> Optional[BiasTiles]:

@@ -91,18 +91,20 @@ class Result:
 
 
 def reference(inputs: Inputs, spec: AttnSpec, scale: Optional[float] = None,
-              rows: Optional[torch.Tensor] = None) -> Result:
+              rows: Optional[torch.Tensor] = None, heads: Optional[torch.Tensor] = None) -> Result:
     """Attention and all its gradients in fp64, computed one K/V head group at a time.
 
-    ``rows`` (bool over the full sequence) restricts the loss to those query rows: the reference
-    for a rank's own part of a replicated gradient (the ``partial`` contract).
+    ``rows`` (bool over the full sequence) and ``heads`` (bool over query heads) restrict the loss
+    to those query rows and heads: the reference for a rank's own part of a replicated gradient
+    (the ``partial`` contract).
     """
     x = inputs.to(inputs.q.device, torch.float64)
     grad_out = x.grad_out
-    if rows is not None:
-        shape = [1] * grad_out.dim()
-        shape[spec.qkv_format.seq_dim] = -1
-        grad_out = grad_out * rows.to(grad_out.device).view(shape)
+    for keep, dim in ((rows, spec.qkv_format.seq_dim), (heads, 2)):
+        if keep is not None:
+            shape = [1] * grad_out.dim()
+            shape[dim] = -1
+            grad_out = grad_out * keep.to(grad_out.device).view(shape)
     h, g = x.q.shape[2], x.k.shape[2]
     r = h // g
     outs, lses, dqs, dks, dvs, dos, dbs = [], [], [], [], [], [], []
