@@ -71,11 +71,13 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
 
     outs, lses = [], []
     for r in ranks:
-        o_acc = torch.zeros(qs[r].shape, dtype=acc)
-        lse = torch.full((qs[r].shape[1 - sd], h, 2 * chunk), float("-inf"), dtype=acc)
+        o_acc = torch.empty(qs[r].shape, dtype=acc)
+        lse = torch.empty((qs[r].shape[1 - sd], h, 2 * chunk), dtype=acc)
+        out = torch.empty_like(qs[r])
         run_forward(plans[r], fmt.to_bhsd(qs[r]), _IndexedKV(bhsd(ks), bhsd(vs)), sink, biases[r], opts,
-                    fmt.to_bhsd(o_acc), lse)
-        outs.append(o_acc.to(inputs.q.dtype)); lses.append(lse)
+                    fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out))
+        outs.append(out)
+        lses.append(lse)
 
     dqs = [torch.zeros(x.shape, dtype=acc) for x in qs]
     dks = [torch.zeros(x.shape, dtype=acc) for x in ks]

@@ -28,7 +28,7 @@ class Tile:
     q_rows: slice     # rows of the local shard (0 .. 2c)
     kv_rows: slice    # rows of the K/V shard held at this step (0 .. 2c)
     band: Band        # visibility in the tile's own coordinates
-    sink: bool        # carries the sink of its rows (step 0 only, each local row exactly once)
+    sink: bool        # the first tile of its rows: carries their sink (step 0, each local row exactly once)
 
 
 @dataclass(frozen=True)

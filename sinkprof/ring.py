@@ -16,7 +16,7 @@ import torch
 
 from .options import CPOptions, Fault, SinkStrategy, accum_dtype
 from .plan import RankPlan, Step, Tile, global_rows, ring_plan
-from .sink import fold_sink_, merge_, sink_grad, sink_logits
+from .sink import finalize_, merge_, sink_grad, sink_logits
 
 
 class KVSource(Protocol):
@@ -65,9 +65,10 @@ def effective_strategy(opts: CPOptions) -> SinkStrategy:
 
 
 def run_forward(plan: RankPlan, q: torch.Tensor, kv: KVSource, sink: Optional[torch.Tensor],
-                bias: Optional[BiasTiles], opts: CPOptions, o_acc: torch.Tensor, lse_acc: torch.Tensor) -> None:
-    """Merge every tile of every step into ``o_acc`` (zeros) and ``lse_acc`` (-inf), then fold the
-    sink once under ``post-merge``."""
+                bias: Optional[BiasTiles], opts: CPOptions, o_acc: torch.Tensor, lse_acc: torch.Tensor,
+                out: torch.Tensor) -> None:
+    """Merge every tile of every step into the accumulators, then write ``out`` (the output dtype),
+    folding the sink in once under ``post-merge``. ``lse_acc`` ends sink-inclusive."""
     strategy = effective_strategy(opts)
     for step in plan.steps:
         k, v = kv.get(step)
@@ -75,9 +76,13 @@ def run_forward(plan: RankPlan, q: torch.Tensor, kv: KVSource, sink: Optional[to
             o, lse = opts.kernel.forward(q[:, :, tile.q_rows], k[:, :, tile.kv_rows], v[:, :, tile.kv_rows],
                                          tile.band, tile_sink(tile, sink, strategy),
                                          bias.tile(step, t) if bias else None, opts.scale)
-            merge_(o_acc[:, :, tile.q_rows], lse_acc[:, :, tile.q_rows], o, lse)
-    if sink is not None and strategy is SinkStrategy.POST_MERGE:
-        fold_sink_(o_acc, lse_acc, sink)
+            if tile.sink:  # the first tile of these rows (step 0): nothing to merge with yet
+                o_acc[:, :, tile.q_rows].copy_(o)
+                lse_acc[:, :, tile.q_rows].copy_(lse)
+            else:
+                merge_(o_acc[:, :, tile.q_rows], lse_acc[:, :, tile.q_rows], o, lse)
+    fold = sink if strategy is SinkStrategy.POST_MERGE else None
+    finalize_(out, o_acc, lse_acc, fold)
 
 
 def run_backward(plan: RankPlan, q: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
@@ -185,11 +190,11 @@ class P2PAttention(torch.autograd.Function):
         sink = None if opts.fault is Fault.VANILLA_FALLBACK else \
             sink_logits(opts.spec.softmax_type, offset, h, q.device)
         bias_tiles = _bias_tiles(bias, plan, comm.size, chunk, acc)
-        o_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full((q.shape[1 - fmt.seq_dim], h, 2 * chunk), float("-inf"), dtype=acc, device=q.device)
+        o_acc = torch.empty(q.shape, dtype=acc, device=q.device)      # step 0 writes every row first
+        lse = torch.empty((q.shape[1 - fmt.seq_dim], h, 2 * chunk), dtype=acc, device=q.device)
+        out = torch.empty_like(q)
         run_forward(plan, fmt.to_bhsd(q), RingKV(comm, k, v, fmt, "fwd", opts.fault), sink, bias_tiles, opts,
-                    fmt.to_bhsd(o_acc), lse)
-        out = o_acc.to(q.dtype)
+                    fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out))
         ctx.save_for_backward(q, k, v, out, lse, offset, bias)
         ctx.opts, ctx.comm, ctx.plan, ctx.sink_is_param = opts, comm, plan, offset is not None
         return out

@@ -40,10 +40,17 @@ def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: tor
     lse_acc.copy_(new)
 
 
-def fold_sink_(o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: torch.Tensor) -> None:
-    """In place: add the sink column once to merged vanilla stats (``lse' = logaddexp(lse, a)``)."""
+def finalize_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: Optional[torch.Tensor]) -> None:
+    """Write the merged result into ``out`` (the output dtype), folding the sink in once if given.
+
+    ``lse' = logaddexp(lse, a)`` and ``o' = o * sigmoid(lse - a)`` (0 for an empty row); the
+    product is written straight into ``out``, so folding costs no extra pass over ``o``.
+    """
+    if sink is None:
+        out.copy_(o_acc)
+        return
     a = _as_rows(sink, lse_acc.dtype)
-    o_acc.mul_(torch.sigmoid(lse_acc - a).unsqueeze(-1))  # exp(lse - lse'), 0 for an empty row
+    torch.mul(o_acc, torch.sigmoid(lse_acc - a).unsqueeze(-1), out=out)
     lse_acc.copy_(torch.logaddexp(lse_acc, a))
 
 
