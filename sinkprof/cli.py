@@ -157,6 +157,35 @@ def main() -> None:
     app()
 
 
+def _resolve_groups(profile, dist_backend: str, nproc, options: dict) -> list:
+    """Profile + command line -> validated ``check.Settings`` groups (shared by check and bench)."""
+    from . import dist as rt
+    from .profiles import find
+    if dist_backend not in ("auto", "gloo", "nccl"):
+        raise typer.BadParameter(f"--dist-backend {dist_backend!r}: use auto, gloo or nccl")
+    try:
+        overrides = _settings_overrides(**options, nproc=nproc)
+        if rt.under_torchrun():
+            import os
+            world = int(os.environ["WORLD_SIZE"])
+            if nproc is not None and nproc != world:
+                raise ValueError(f"--nproc {nproc} differs from torchrun's WORLD_SIZE={world}; drop --nproc")
+            overrides["nproc"] = world
+        groups = find(profile).resolve(overrides)
+        for settings in groups:
+            settings.validate()
+    except (ValueError, TypeError) as exc:
+        raise typer.BadParameter(str(exc))
+    first = groups[0]
+    if any(gr.nproc != first.nproc or gr.device != first.device for gr in groups):
+        raise typer.BadParameter("all [[cases]] of a profile must share nproc and device")
+    if first.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise typer.BadParameter("--device cuda: no CUDA device is visible here; use --device cpu")
+    return groups
+
+
 def _settings_overrides(**opts) -> dict:
     """Command-line values for ``check.Settings`` fields; None means "not given"."""
     out = {}
@@ -179,33 +208,60 @@ _ALL = {"comm": ("p2p", "a2a", "a2a+p2p"), "softmax": ("vanilla", "off-by-one", 
         "sink_strategy": ("step0", "post-merge"), "sink_grad": ("full", "partial")}
 
 
+# Case options shared by check and bench (Typer reads these OptionInfo defaults per command).
+PROFILE = typer.Option(None, help="Named profile (see `sinkprof profiles`) or a .toml path.")
+COMM = typer.Option(None, help="p2p, a2a, a2a+p2p (comma list) or all.")
+A2A_SIZE = typer.Option(None, "--a2a-size", help="Ranks per inner a2a group for a2a+p2p (default 2).")
+SOFTMAX = typer.Option(None, help="vanilla, off-by-one, learnable (comma list) or all.")
+MASK = typer.Option(None, help="causal, no_mask (comma list) or all.")
+QKV_FORMAT = typer.Option(None, "--qkv-format", help="bshd, sbhd (comma list) or all.")
+DTYPE = typer.Option(None, help="fp64, fp32, bf16, fp16 (comma list) or all.")
+SINK_STRATEGY = typer.Option(None, "--sink-strategy", help="step0, post-merge or all.")
+SINK_GRAD = typer.Option(None, "--sink-grad", help="full, partial or all.")
+WINDOW = typer.Option(None, help="Sliding window LEFT,RIGHT (-1 = unbounded).")
+BIAS = typer.Option(None, "--bias/--no-bias", help="Add a learnable [1, h, S, S] bias.")
+SHAPE_B = typer.Option(None, help="Batch.")
+SHAPE_S = typer.Option(None, help="Full sequence length (divisible by 2 * cp).")
+SHAPE_H = typer.Option(None, help="Query heads.")
+SHAPE_G = typer.Option(None, help="K/V heads (h % g == 0).")
+SHAPE_D = typer.Option(None, help="Head dim.")
+NPROC = typer.Option(None, help="Ranks to self-launch (cp size); ignored under torchrun.")
+DEVICE = typer.Option(None, help="cpu or cuda.")
+BACKEND = typer.Option(None, help="Tile kernels: auto, torch or cudnn.")
+DIST_BACKEND = typer.Option("auto", "--dist-backend", help="auto (nccl with a GPU per rank, else gloo), gloo or nccl.")
+SEED = typer.Option(None, help="Seed of the CPU generator for all inputs.")
+TIMEOUT = typer.Option(120.0, min=1.0, help="Seconds any one exchange or collective may take.")
+RUN_TIMEOUT = typer.Option(900.0, "--run-timeout", min=1.0, help="Seconds the whole run may take.")
+
+
 @app.command()
 def check(
-    profile: Optional[str] = typer.Option(None, help="Named profile (see `sinkprof profiles`) or a .toml path."),
-    comm: Optional[str] = typer.Option(None, help="p2p, a2a, a2a+p2p (comma list) or all."),
-    a2a_size: Optional[int] = typer.Option(None, "--a2a-size", help="Ranks per inner a2a group for a2a+p2p (default 2)."),
-    softmax: Optional[str] = typer.Option(None, help="vanilla, off-by-one, learnable (comma list) or all."),
-    mask: Optional[str] = typer.Option(None, help="causal, no_mask (comma list) or all."),
-    qkv_format: Optional[str] = typer.Option(None, "--qkv-format", help="bshd, sbhd (comma list) or all."),
-    dtype: Optional[str] = typer.Option(None, help="fp64, fp32, bf16, fp16 (comma list) or all."),
-    sink_strategy: Optional[str] = typer.Option(None, "--sink-strategy", help="step0, post-merge or all."),
-    sink_grad: Optional[str] = typer.Option(None, "--sink-grad", help="full, partial or all."),
-    window: Optional[str] = typer.Option(None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
-    bias: Optional[bool] = typer.Option(None, "--bias/--no-bias", help="Add a learnable [1, h, S, S] bias."),
-    b: Optional[int] = typer.Option(None, help="Batch."),
-    s: Optional[int] = typer.Option(None, help="Full sequence length (divisible by 2 * cp)."),
-    h: Optional[int] = typer.Option(None, help="Query heads."),
-    g: Optional[int] = typer.Option(None, help="K/V heads (h % g == 0)."),
-    d: Optional[int] = typer.Option(None, help="Head dim."),
-    nproc: Optional[int] = typer.Option(None, help="Ranks to self-launch (cp size); ignored under torchrun."),
-    device: Optional[str] = typer.Option(None, help="cpu or cuda."),
-    backend: Optional[str] = typer.Option(None, help="Tile kernels: auto, torch or cudnn."),
-    dist_backend: str = typer.Option("auto", "--dist-backend", help="auto (nccl with a GPU per rank, else gloo), gloo or nccl."),
-    seed: Optional[int] = typer.Option(None, help="Seed of the CPU generator for all inputs."),
+    profile: Optional[str] = PROFILE,
+    comm: Optional[str] = COMM,
+    a2a_size: Optional[int] = A2A_SIZE,
+    softmax: Optional[str] = SOFTMAX,
+    mask: Optional[str] = MASK,
+    qkv_format: Optional[str] = QKV_FORMAT,
+    dtype: Optional[str] = DTYPE,
+    sink_strategy: Optional[str] = SINK_STRATEGY,
+    sink_grad: Optional[str] = SINK_GRAD,
+    window: Optional[str] = WINDOW,
+    bias: Optional[bool] = BIAS,
+    b: Optional[int] = SHAPE_B,
+    s: Optional[int] = SHAPE_S,
+    h: Optional[int] = SHAPE_H,
+    g: Optional[int] = SHAPE_G,
+    d: Optional[int] = SHAPE_D,
+    nproc: Optional[int] = NPROC,
+    device: Optional[str] = DEVICE,
+    backend: Optional[str] = BACKEND,
+    dist_backend: str = DIST_BACKEND,
+    seed: Optional[int] = SEED,
     inject: Optional[str] = typer.Option(None, help="Inject a bug to prove the check fails: sink-every-tile, "
-                                                    "no-sink-reduce, aliased-reference, vanilla-fallback, stall, crash."),
-    timeout: float = typer.Option(120.0, min=1.0, help="Seconds any one exchange or collective may take."),
-    run_timeout: float = typer.Option(900.0, "--run-timeout", min=1.0, help="Seconds the whole run may take."),
+                                                    "no-sink-reduce, aliased-reference, vanilla-fallback, "
+                                                    "skip-sink-slice, stall, crash."),
+    timeout: float = TIMEOUT,
+    run_timeout: float = RUN_TIMEOUT,
     fmt: str = typer.Option("table", "--format", help="table or json."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report here (whole file)."),
 ):
@@ -216,36 +272,18 @@ def check(
     from . import dist as rt
     from .check import ReportOptions, check_job
     from .options import Fault
-    from .profiles import find
 
     if fmt not in ("table", "json"):
         raise typer.BadParameter(f"--format {fmt!r}: use table or json")
-    if dist_backend not in ("auto", "gloo", "nccl"):
-        raise typer.BadParameter(f"--dist-backend {dist_backend!r}: use auto, gloo or nccl")
     try:
         fault = Fault.parse(inject, "--inject") if inject else None
-        overrides = _settings_overrides(comm=comm, softmax=softmax, mask=mask, qkv_format=qkv_format, dtype=dtype,
-                                        sink_strategy=sink_strategy, sink_grad=sink_grad, window=window, bias=bias,
-                                        b=b, s=s, h=h, g=g, d=d, nproc=nproc, device=device, backend=backend,
-                                        seed=seed, a2a_size=a2a_size)
-        if rt.under_torchrun():
-            import os
-            world = int(os.environ["WORLD_SIZE"])
-            if nproc is not None and nproc != world:
-                raise ValueError(f"--nproc {nproc} differs from torchrun's WORLD_SIZE={world}; drop --nproc")
-            overrides["nproc"] = world
-        groups = find(profile).resolve(overrides)
-        for settings in groups:
-            settings.validate()
-    except (ValueError, TypeError) as exc:
+    except ValueError as exc:
         raise typer.BadParameter(str(exc))
+    groups = _resolve_groups(profile, dist_backend, nproc, dict(
+        comm=comm, softmax=softmax, mask=mask, qkv_format=qkv_format, dtype=dtype, sink_strategy=sink_strategy,
+        sink_grad=sink_grad, window=window, bias=bias, b=b, s=s, h=h, g=g, d=d, device=device, backend=backend,
+        seed=seed, a2a_size=a2a_size))
     first = groups[0]
-    if any(gr.nproc != first.nproc or gr.device != first.device for gr in groups):
-        raise typer.BadParameter("all [[cases]] of a profile must share nproc and device")
-    if first.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise typer.BadParameter("--device cuda: no CUDA device is visible here; use --device cpu")
     code = rt.launch(check_job, (groups, fault, timeout, ReportOptions(fmt, output)), nproc=first.nproc,
                      device=first.device, backend=dist_backend, timeout=timeout, run_timeout=run_timeout)
     raise typer.Exit(code)
@@ -271,3 +309,119 @@ def profiles(name: Optional[str] = typer.Argument(None, help="Show this profile'
     console.print(f"[bold]{prof.name}[/bold]: {prof.description}  ({prof.path})")
     for i, settings in enumerate(prof.resolve({})):
         console.print(f"group {i + 1}: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(settings).items()))
+
+
+@app.command()
+def doctor(
+    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when visible)."),
+    fmt: str = typer.Option("table", "--format", help="table or json."),
+):
+    """Show the environment and which comm x softmax x backend x dtype x layout cells run here."""
+    from .doctor import diagnose, render
+    if fmt not in ("table", "json"):
+        raise typer.BadParameter(f"--format {fmt!r}: use table or json")
+    if device not in (None, "cpu", "cuda"):
+        raise typer.BadParameter(f"--device {device!r}: use cpu or cuda")
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter("--device cuda: no CUDA device is visible here")
+    report = diagnose(device)
+    if fmt == "json":
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        render(report, console)
+
+
+@app.command()
+def bench(
+    profile: Optional[str] = PROFILE,
+    comm: Optional[str] = COMM,
+    a2a_size: Optional[int] = A2A_SIZE,
+    softmax: Optional[str] = SOFTMAX,
+    mask: Optional[str] = MASK,
+    qkv_format: Optional[str] = QKV_FORMAT,
+    dtype: Optional[str] = DTYPE,
+    sink_strategy: Optional[str] = SINK_STRATEGY,
+    sink_grad: Optional[str] = SINK_GRAD,
+    window: Optional[str] = WINDOW,
+    bias: Optional[bool] = BIAS,
+    b: Optional[int] = SHAPE_B,
+    s: Optional[int] = SHAPE_S,
+    h: Optional[int] = SHAPE_H,
+    g: Optional[int] = SHAPE_G,
+    d: Optional[int] = SHAPE_D,
+    nproc: Optional[int] = NPROC,
+    device: Optional[str] = DEVICE,
+    backend: Optional[str] = BACKEND,
+    dist_backend: str = DIST_BACKEND,
+    seed: Optional[int] = SEED,
+    warmup: int = typer.Option(2, min=0, help="Iterations run before measuring."),
+    iters: int = typer.Option(5, min=1, help="Measured iterations."),
+    phase: str = typer.Option("fwdbwd", help="fwd, bwd or fwdbwd."),
+    csv_path: Optional[str] = typer.Option(None, "--csv", help="Write every timed span here (tidy CSV, whole file)."),
+    trace: Optional[str] = typer.Option(None, help="Write a torch.profiler Chrome trace per rank into this folder."),
+    use_nvtx: bool = typer.Option(True, "--nvtx/--no-nvtx", help="Emit NVTX ranges (domain sinkprof)."),
+    simulate: Optional[str] = typer.Option(None, help="CP sizes (e.g. 8,16,32) whose every rank's compute schedule "
+                                                      "runs on this one device, without communication."),
+    inject: Optional[str] = typer.Option(None, help="stall or crash rank 1 on the second measured iteration."),
+    timeout: float = TIMEOUT,
+    run_timeout: float = RUN_TIMEOUT,
+):
+    """Time CP attention per ring step (compute, communication, overlap) with NVTX ranges; CSV export.
+
+    For Nsight Systems: torchrun --nproc-per-node N --no-python nsys profile -t cuda,nvtx,nccl
+    --capture-range=cudaProfilerApi -o rank%q{RANK} sinkprof bench ...
+    """
+    from . import dist as rt
+    from .bench import PHASES, BenchOptions, bench_job
+    from .bench import simulate as run_simulation
+    from .options import Fault
+
+    if phase not in PHASES:
+        raise typer.BadParameter(f"--phase {phase!r}: use fwd, bwd or fwdbwd")
+    try:
+        fault = Fault.parse(inject, "--inject") if inject else None
+        if fault not in (None, Fault.STALL, Fault.CRASH):
+            raise ValueError(f"--inject {inject!r}: bench injects only stall or crash; the others belong to check")
+        sims = tuple(split_list(simulate, "--simulate", _positive_int)) if simulate else ()
+    except (ValueError, typer.BadParameter) as exc:
+        raise typer.BadParameter(str(exc))
+    options = dict(comm=comm, softmax=softmax, mask=mask, qkv_format=qkv_format, dtype=dtype,
+                   sink_strategy=sink_strategy, sink_grad=sink_grad, window=window, bias=bias, b=b, s=s, h=h, g=g,
+                   d=d, device=device, backend=backend, seed=seed, a2a_size=a2a_size)
+    opts = BenchOptions(warmup, iters, phase, csv_path, trace, use_nvtx, sims, fault, timeout)
+    if sims:
+        groups = _resolve_groups(profile, dist_backend, 1, options)
+        for n in sims:
+            for settings in groups:
+                try:
+                    from .testing import Shape
+                    Shape(settings.b, settings.s, settings.h, settings.g, settings.d).validate(n)
+                except ValueError as exc:
+                    raise typer.BadParameter(f"--simulate {n}: {exc}")
+        import torch
+        try:
+            code = run_simulation(groups, opts, torch.device(groups[0].device))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc))
+        raise typer.Exit(code)
+    groups = _resolve_groups(profile, dist_backend, nproc, options)
+    first = groups[0]
+    code = rt.launch(bench_job, (groups, opts), nproc=first.nproc, device=first.device, backend=dist_backend,
+                     timeout=timeout, run_timeout=run_timeout)
+    raise typer.Exit(code)
+
+
+@app.command()
+def report(
+    csv_files: list[str] = typer.Argument(..., help="CSV files written by `sinkprof bench --csv`."),
+    plot: Optional[str] = typer.Option(None, help="Write one PNG per case and phase into this folder."),
+):
+    """Summarise bench CSVs: per-step compute, communication, overlap, exposed time, TFLOP/s."""
+    from .report import report as run
+    try:
+        written = run(csv_files, plot, console)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc))
+    for path in written:
+        console.print(f"wrote {path}")

@@ -10,6 +10,7 @@ timeouts, and turn a hang into an error that says where it happened.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -25,6 +26,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from . import profiling
 
 EXIT_FAILED = 1
 DEFAULT_TIMEOUT_S = 120.0
@@ -54,13 +57,20 @@ where = Where()
 class Pending:
     """In-flight p2p work; ``wait`` finishes it (copying staged data back) or raises ``CommError``."""
 
-    def __init__(self, works, recv: torch.Tensor, host_recv: Optional[torch.Tensor], comm: "Comm", what: str):
+    def __init__(self, works, recv: torch.Tensor, host_recv: Optional[torch.Tensor], comm: "Comm", what: str,
+                 token=None):
         self.works, self.recv, self.host_recv, self.comm, self.what = works, recv, host_recv, comm, what
+        self.token = token
 
     def wait(self) -> None:
-        self.comm.wait_all(self.works, self.what)
-        if self.host_recv is not None:
-            self.recv.copy_(self.host_recv)
+        stream = self.comm.stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self.comm.wait_all(self.works, self.what)
+            if self.host_recv is not None:
+                self.recv.copy_(self.host_recv)
+            profiling.active.comm_end(self.token, stream)
+        if stream is not None:  # compute may use what arrived only once the exchange is done
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 class Comm:
@@ -79,6 +89,11 @@ class Comm:
         self.staged = dist.get_backend(self.group) == "gloo"
         self.timeout = datetime.timedelta(seconds=timeout)
         self.counts: Counter = Counter()
+        # NCCL exchanges run on their own stream so compute and communication overlap and can be
+        # timed apart; gloo stages through the host and needs none.
+        self.stream = None
+        if not self.staged and torch.cuda.is_available() and dist.get_backend(self.group) == "nccl":
+            self.stream = torch.cuda.Stream(torch.cuda.current_device())
 
     def _host(self, t: torch.Tensor) -> bool:
         return self.staged and t.is_cuda
@@ -104,17 +119,23 @@ class Comm:
         ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
                dist.P2POp(dist.irecv, host_recv if host_recv is not None else recv, self.prev, self.group, tag)]
         what = f"{phase} step {step} {kind} exchange (send to rank {self.next}, receive from rank {self.prev})"
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except Exception as exc:  # a dead peer can fail the post itself
-            raise CommError(f"rank {dist.get_rank()}: {what} could not start at {where}: {exc}") from None
-        return Pending(works, recv, host_recv, self, what)
+        stream = self.stream
+        if stream is not None:  # send what compute produced so far
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            token = profiling.active.comm_start(phase, step, kind, stream)
+            try:
+                works = dist.batch_isend_irecv(ops)
+            except Exception as exc:  # a dead peer can fail the post itself
+                raise CommError(f"rank {dist.get_rank()}: {what} could not start at {where}: {exc}") from None
+        return Pending(works, recv, host_recv, self, what, token)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, phase: str, what: str) -> None:
         """``out[j]`` = rank j's ``inp[me]``: dim 0 of both is the group size."""
         self.counts[(phase, -1, "a2a")] += 1
         where.phase, where.step, where.op = phase, -1, what
         staged = self._host(inp)
+        token = profiling.active.comm_start(phase, -1, "a2a")
         send = inp.cpu() if staged else inp
         recv = torch.empty(out.shape, dtype=out.dtype) if staged else out
         try:
@@ -124,6 +145,7 @@ class Comm:
         self.wait_all([work], f"{phase} {what}")
         if staged:
             out.copy_(recv)
+        profiling.active.comm_end(token)
 
     def all_reduce_(self, t: torch.Tensor, what: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce ``t`` over the group (sum by default), in place."""

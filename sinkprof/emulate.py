@@ -46,13 +46,15 @@ class EmulatedRing:
 
 
 def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy,
-                 scale=None) -> EmulatedRing:
-    """Run every rank's forward then backward tile schedule from the ring plan with the torch tiles."""
+                 scale=None, kernel=None) -> EmulatedRing:
+    """Run every rank's forward then backward tile schedule from the ring plan with the given tile
+    kernel (default: the torch tiles), on the inputs' device."""
     fmt, sd = spec.qkv_format, spec.qkv_format.seq_dim
     s = inputs.q.shape[sd]
     chunk = s // (2 * cp)
     h, dim = inputs.q.shape[2], inputs.q.shape[3]
-    opts = CPOptions(spec, check_scale(scale, dim), TorchTiles(), strategy)
+    opts = CPOptions(spec, check_scale(scale, dim), kernel or TorchTiles(), strategy)
+    dev = inputs.q.device
     acc = accum_dtype(inputs.q.dtype)
     sink = sink_logits(spec.softmax_type, inputs.offset, h, inputs.q.device)
     ranks = range(cp)
@@ -65,23 +67,23 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
 
     qs, ks, vs, dos = (shards(x) for x in (inputs.q, inputs.k, inputs.v, inputs.grad_out))
     plans = [ring_plan(cp, r, chunk, spec.band) for r in ranks]
-    positions = [global_rows(cp, r, chunk) for r in ranks]
+    positions = [global_rows(cp, r, chunk, dev) for r in ranks]
     biases = [BiasTiles(inputs.bias, plans[r], positions[r], positions, acc) if inputs.bias is not None else None
               for r in ranks]
 
     outs, lses = [], []
     for r in ranks:
-        o_acc = torch.empty(qs[r].shape, dtype=acc)
-        lse = torch.empty((qs[r].shape[1 - sd], h, 2 * chunk), dtype=acc)
+        o_acc = torch.empty(qs[r].shape, dtype=acc, device=dev)
+        lse = torch.empty((qs[r].shape[1 - sd], h, 2 * chunk), dtype=acc, device=dev)
         out = torch.empty_like(qs[r])
         run_forward(plans[r], fmt.to_bhsd(qs[r]), _IndexedKV(bhsd(ks), bhsd(vs)), sink, biases[r], opts,
                     fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out))
         outs.append(out)
         lses.append(lse)
 
-    dqs = [torch.zeros(x.shape, dtype=acc) for x in qs]
-    dks = [torch.zeros(x.shape, dtype=acc) for x in ks]
-    dvs = [torch.zeros(x.shape, dtype=acc) for x in vs]
+    dqs = [torch.zeros(x.shape, dtype=acc, device=dev) for x in qs]
+    dks = [torch.zeros(x.shape, dtype=acc, device=dev) for x in ks]
+    dvs = [torch.zeros(x.shape, dtype=acc, device=dev) for x in vs]
     dkv = _IndexedDKV(bhsd(dks), bhsd(dvs))
     parts = []
     for r in ranks:

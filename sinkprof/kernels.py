@@ -94,9 +94,32 @@ class BackendUnavailable(RuntimeError):
     """The requested tile backend cannot run here; the message says why."""
 
 
+_cudnn_kernels: dict = {}
+
+
+def cudnn_unavailable_reason(device) -> Optional[str]:
+    """None when the cuDNN tiles can run on ``device``, else a sentence saying why not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"cuDNN tiles need a CUDA device, got {device}"
+    from .cudnn_tiles import unavailable_reason
+    return unavailable_reason()
+
+
 def get_kernel(backend: Backend, device) -> TileKernel:
-    """The tile kernel for ``backend`` on ``device``."""
+    """The tile kernel for ``backend`` on ``device``: ``auto`` is cudnn on CUDA when it can run
+    there, else torch. Explicit ``cudnn`` that cannot run raises with the reason."""
     backend = Backend.parse(backend, "backend")
-    if backend is Backend.CUDNN:
-        raise BackendUnavailable("backend='cudnn' is not available in this build; use backend='torch'")
-    return TorchTiles()
+    if backend is Backend.TORCH:
+        return TorchTiles()
+    device = torch.device(device)
+    reason = cudnn_unavailable_reason(device)
+    if reason is not None:
+        if backend is Backend.CUDNN:
+            raise BackendUnavailable(f"backend='cudnn' cannot run: {reason}; use backend='torch'")
+        return TorchTiles()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cudnn_kernels:
+        from .cudnn_tiles import CudnnTiles
+        _cudnn_kernels[index] = CudnnTiles(index)
+    return _cudnn_kernels[index]

@@ -135,6 +135,13 @@ class Band:
         hi = hi_dom if self.hi is None else min(self.hi, hi_dom)
         return (lo, hi) if lo <= hi else None
 
+    def count(self, n_q: int, n_kv: int) -> int:
+        """Visible (query, key) pairs of an n_q x n_kv tile, without building the mask."""
+        i = torch.arange(n_q, dtype=torch.int64)
+        first = torch.zeros_like(i) if self.lo is None else (i + self.lo).clamp(min=0)
+        last = torch.full_like(i, n_kv - 1) if self.hi is None else (i + self.hi).clamp(max=n_kv - 1)
+        return int((last - first + 1).clamp(min=0).sum())
+
     def mask(self, n_q: int, n_kv: int, device=None) -> Optional[torch.Tensor]:
         """Boolean [n_q, n_kv] visibility, or None when every key is visible."""
         clip = self.clipped(n_q, n_kv)

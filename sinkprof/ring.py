@@ -14,6 +14,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from . import profiling
 from .options import CPOptions, Fault, SinkStrategy, accum_dtype
 from .plan import RankPlan, Step, Tile, global_rows, ring_plan
 from .sink import finalize_, merge_, sink_grad, sink_logits
@@ -72,17 +73,23 @@ def run_forward(plan: RankPlan, q: torch.Tensor, kv: KVSource, sink: Optional[to
     strategy = effective_strategy(opts)
     for step in plan.steps:
         k, v = kv.get(step)
-        for t, tile in enumerate(step.tiles):
-            o, lse = opts.kernel.forward(q[:, :, tile.q_rows], k[:, :, tile.kv_rows], v[:, :, tile.kv_rows],
-                                         tile.band, tile_sink(tile, sink, strategy),
-                                         bias.tile(step, t) if bias else None, opts.scale)
-            if tile.sink:  # the first tile of these rows (step 0): nothing to merge with yet
-                o_acc[:, :, tile.q_rows].copy_(o)
-                lse_acc[:, :, tile.q_rows].copy_(lse)
-            else:
-                merge_(o_acc[:, :, tile.q_rows], lse_acc[:, :, tile.q_rows], o, lse)
+        with profiling.active.compute("fwd", step.index):
+            _forward_tiles(step, q, k, v, sink, bias, opts, strategy, o_acc, lse_acc)
     fold = sink if strategy is SinkStrategy.POST_MERGE else None
     finalize_(out, o_acc, lse_acc, fold)
+
+
+def _forward_tiles(step, q, k, v, sink, bias, opts, strategy, o_acc, lse_acc) -> None:
+    """One forward step: every tile, merged into the accumulators."""
+    for t, tile in enumerate(step.tiles):
+        o, lse = opts.kernel.forward(q[:, :, tile.q_rows], k[:, :, tile.kv_rows], v[:, :, tile.kv_rows],
+                                     tile.band, tile_sink(tile, sink, strategy),
+                                     bias.tile(step, t) if bias else None, opts.scale)
+        if tile.sink:  # the first tile of these rows (step 0): nothing to merge with yet
+            o_acc[:, :, tile.q_rows].copy_(o)
+            lse_acc[:, :, tile.q_rows].copy_(lse)
+        else:
+            merge_(o_acc[:, :, tile.q_rows], lse_acc[:, :, tile.q_rows], o, lse)
 
 
 def run_backward(plan: RankPlan, q: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
@@ -94,23 +101,29 @@ def run_backward(plan: RankPlan, q: torch.Tensor, out: torch.Tensor, grad_out: t
     for step in plan.backward_steps:
         k, v = kv.get(step)
         dk, dv = dkv.start(step)
-        for t, tile in enumerate(step.tiles):
-            rows, cols = tile.q_rows, tile.kv_rows
-            grads = opts.kernel.backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
-                                         grad_out[:, :, rows], lse[:, :, rows], tile.band,
-                                         tile_sink(tile, sink, strategy),
-                                         bias.tile(step, t) if bias else None, opts.scale)
-            dq_acc[:, :, rows] += grads.dq
-            dk[:, :, cols] += grads.dk
-            dv[:, :, cols] += grads.dv
-            if grads.d_sink is not None:
-                d_sink += grads.d_sink
-            if grads.d_bias is not None:
-                bias.add_grad(step, t, grads.d_bias)
+        with profiling.active.compute("bwd", step.index):
+            _backward_tiles(step, q, out, grad_out, lse, k, v, dk, dv, sink, bias, opts, strategy, dq_acc, d_sink)
         dkv.finish(step)
     if sink is not None and strategy is SinkStrategy.POST_MERGE:
         d_sink = sink_grad(out, grad_out, lse, sink)
     return d_sink
+
+
+def _backward_tiles(step, q, out, grad_out, lse, k, v, dk, dv, sink, bias, opts, strategy, dq_acc, d_sink) -> None:
+    """One backward step: every tile's gradients added to dq, this step's dK/dV and the sink's."""
+    for t, tile in enumerate(step.tiles):
+        rows, cols = tile.q_rows, tile.kv_rows
+        grads = opts.kernel.backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
+                                     grad_out[:, :, rows], lse[:, :, rows], tile.band,
+                                     tile_sink(tile, sink, strategy),
+                                     bias.tile(step, t) if bias else None, opts.scale)
+        dq_acc[:, :, rows] += grads.dq
+        dk[:, :, cols] += grads.dk
+        dv[:, :, cols] += grads.dv
+        if grads.d_sink is not None:
+            d_sink += grads.d_sink
+        if grads.d_bias is not None:
+            bias.add_grad(step, t, grads.d_bias)
 
 
 class RingKV:

@@ -95,3 +95,24 @@ def test_backend_selection():
 def test_cudnn_backend_on_cpu_is_refused_with_a_reason():
     with pytest.raises(BackendUnavailable, match="cudnn"):
         get_kernel("cudnn", "cpu")
+
+
+@pytest.mark.parametrize("band", [Band(None, -2), Band(3, None), Band(-3, 2), Band(None, 0), Band(-40, -30),
+                                  Band(30, 40), Band(-2, -1), Band(1, 3), Band(-9, None), Band(None, 9), Band()],
+                         ids=str)
+@pytest.mark.parametrize("n_q,n_kv", [(8, 8), (8, 4), (4, 8)])
+def test_cudnn_trim_keeps_exactly_the_visible_part_of_a_tile(band, n_q, n_kv):
+    from sinkprof.cudnn_tiles import _trim
+    full = band.mask(n_q, n_kv)
+    full = torch.ones(n_q, n_kv, dtype=torch.bool) if full is None else full
+    trimmed = _trim(band, n_q, n_kv)
+    if trimmed is None:
+        assert not full.any()
+        return
+    rows, cols, sub = trimmed
+    assert (sub.lo is None or sub.lo <= 0) and (sub.hi is None or sub.hi >= 0)
+    part = sub.mask(rows.stop - rows.start, cols.stop - cols.start)
+    rebuilt = torch.zeros_like(full)
+    rebuilt[rows, cols] = True if part is None else part
+    assert torch.equal(rebuilt, full)
+    assert full[rows].any(dim=1).all()  # every kept row sees at least one key

@@ -1,0 +1,328 @@
+"""``sinkprof bench``: timed, NVTX-annotated CP attention runs, per ring step, into one tidy CSV.
+
+Each rank times every ring step's compute and communication (``profiling.Probe``); after each
+iteration the rows are gathered to rank 0, which appends them to ``FILE.partial`` and renames it
+to ``FILE`` at the end, so a crash leaves the rows already measured. ``--simulate`` runs every
+rank's compute schedule of a cp=N ring in one process (no communication) to show per-rank
+compute and load balance before renting the cluster.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import datetime
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import __version__, profiling
+from .check import Case, Settings, expand
+from .context_parallel import _cp_attention
+from .dist import RankInfo, where
+from .kernels import get_kernel
+from .options import DTYPES, CPOptions, Fault, accum_dtype, check_scale, make_spec
+from .plan import global_rows, ring_plan, shard
+from .ring import BiasTiles, run_backward, run_forward
+from .sink import sink_logits
+from .testing import make_inputs
+
+PHASES = ("fwd", "bwd", "fwdbwd")
+# The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
+COLUMNS = ["run_id", "timestamp", "rank", "iteration", "phase", "step", "kind", "start_ms", "end_ms", "dur_ms",
+           "overlap_ms", "exposed_ms", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h",
+           "g", "d", "cp", "a2a_size", "backend", "simulated", "flops", "device_name", "torch", "cudnn", "nccl",
+           "sinkprof", "git_sha"]
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    warmup: int = 2
+    iters: int = 5
+    phase: str = "fwdbwd"
+    csv: Optional[str] = None
+    trace: Optional[str] = None
+    nvtx: bool = True
+    simulate: tuple = ()            # cp sizes to simulate on one device; empty = a real run
+    fault: Optional[Fault] = None   # stall/crash on the second measured iteration (tests the CSV)
+    timeout: float = 120.0
+
+
+def useful_flops(case: Case, phase: str) -> int:
+    """FLOPs of the whole sequence's attention, each visible pair once (causal counted once)."""
+    spec = make_spec(case.softmax, case.mask, case.window, case.qkv_format)
+    sh = case.shape
+    fwd = 4 * sh.b * sh.h * sh.d * spec.band.count(sh.s, sh.s)
+    return int(fwd * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[phase])
+
+
+def _git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simulated: bool, phase: str) -> dict:
+    from .cudnn_tiles import versions
+    return {
+        "comm": case.comm.value, "softmax": case.softmax.value,
+        "sink_strategy": case.sink_strategy.value if case.softmax.has_sink else "",
+        "mask": case.mask.value, "window": "" if case.window is None else f"{case.window[0]},{case.window[1]}",
+        "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
+        "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm.value == "a2a+p2p" else "",
+        "backend": backend_name, "simulated": simulated, "flops": useful_flops(case, phase),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "cudnn": versions()["backend"] or "",
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "",
+        "sinkprof": __version__, "git_sha": _git_sha(),
+    }
+
+
+class RowWriter:
+    """Appends rows to ``path.partial`` iteration by iteration; ``close`` renames it to ``path``."""
+
+    def __init__(self, path: Optional[str]):
+        self.path = Path(path) if path else None
+        self.partial = Path(str(path) + ".partial") if path else None
+        self.rows: list[dict] = []
+        self._file = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.partial, "w", newline="")
+            self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS, extrasaction="ignore")
+            self._csv.writeheader()
+
+    def append(self, rows: list[dict]) -> None:
+        self.rows.extend(rows)
+        if self._file is not None:
+            self._csv.writerows(rows)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            os.replace(self.partial, self.path)
+
+
+@contextlib.contextmanager
+def _capture(device: torch.device, trace: Optional[str], rank: int):
+    """The CUDA profiler capture range (for nsys --capture-range=cudaProfilerApi) and an optional
+    torch.profiler trace around the measured iterations."""
+    prof = None
+    if trace:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=acts)
+        prof.__enter__()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.cudart().cudaProfilerStart()
+    try:
+        yield
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.cudart().cudaProfilerStop()
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            Path(trace).mkdir(parents=True, exist_ok=True)
+            tmp = Path(trace) / f".rank{rank}.json.tmp"
+            prof.export_chrome_trace(str(tmp))
+            os.replace(tmp, Path(trace) / f"rank{rank}.json")
+
+
+def _progress(total: int, enabled: bool, label: str):
+    if not enabled:
+        return contextlib.nullcontext(None)
+    from rich.progress import Progress
+    return Progress(transient=True, disable=not sys.stderr.isatty())
+
+
+def _run_iterations(phase: str, iters: int, warmup: int, probe, fwd, bwd, rows_of, on_rows, progress=None,
+                    task=None, fault_at=None):
+    """Warm up, then measure ``iters`` iterations of ``phase``; ``rows_of(it, rows)`` stamps rows."""
+    for it in range(warmup + iters):
+        measured = it >= warmup
+        index = it - warmup
+        inject = fault_at is not None and measured and index == 1
+        with profiling.installed(probe if measured else profiling.NullProbe()):
+            if phase == "bwd":
+                out = fwd(False)
+                with probe.iteration("bwd", index) if measured else contextlib.nullcontext():
+                    bwd(out)
+            else:
+                with probe.iteration(phase, index) if measured else contextlib.nullcontext():
+                    out = fwd(inject)
+                    if phase == "fwdbwd":
+                        bwd(out)
+        if measured:
+            on_rows(rows_of(index, profiling.overlap_rows(probe.read())))
+            if progress is not None:
+                progress.advance(task)
+
+
+def bench_job(info: RankInfo, groups: list, opts: BenchOptions) -> int:
+    """Every rank: run each case, gather its rows to rank 0 after every iteration."""
+    writer = RowWriter(opts.csv) if info.rank == 0 else None
+    run_id = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+    cases = [c for s in groups for c in expand(s)]
+    results = []
+    try:
+        for settings in groups:
+            for case in expand(settings):
+                results.append(_bench_case(case, settings, info, opts, writer, run_id))
+    except BaseException:
+        if writer is not None and writer._file is not None:
+            writer._file.close()
+            print(f"sinkprof bench: stopped early; the rows measured so far are in {writer.partial}", file=sys.stderr)
+        raise
+    if writer is not None:
+        writer.close()
+        from .report import print_summary
+        print_summary(writer.rows, len(cases))
+        if opts.csv:
+            print(f"sinkprof bench: wrote {opts.csv} ({len(writer.rows)} rows)")
+    return 0
+
+
+def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptions, writer, run_id: str):
+    where.case = case.label
+    cp, rank, device = info.world, info.rank, info.device
+    spec = make_spec(case.softmax, case.mask, case.window, case.qkv_format)
+    dtype = DTYPES[case.dtype]
+    sd = spec.qkv_format.seq_dim
+    host = make_inputs(case.shape, spec, settings.seed, with_bias=case.bias)
+    x = host.to(device, dtype)
+    q, k, v = (shard(t, cp, rank, sd).requires_grad_() for t in (x.q, x.k, x.v))
+    offset = x.offset.requires_grad_() if x.offset is not None else None
+    bias = x.bias.requires_grad_() if x.bias is not None else None
+    grad_out = shard(x.grad_out, cp, rank, sd)
+    a2a_size = case.a2a_size if case.comm.value == "a2a+p2p" else None
+    backend_name = get_kernel(settings.backend, device).name
+    meta = metadata(case, cp, device, backend_name, False, opts.phase)
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+
+    def fwd(inject: bool):
+        for t in (q, k, v, offset, bias):
+            if t is not None:
+                t.grad = None
+        return _cp_attention(q, k, v, offset, comm=case.comm.value, softmax_type=case.softmax, mask=case.mask,
+                             window=case.window, bias=bias, qkv_format=case.qkv_format, backend=settings.backend,
+                             sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=opts.timeout,
+                             a2a_size=a2a_size, fault=opts.fault if inject else None)
+
+    def bwd(out):
+        out.backward(grad_out)
+
+    def rows_of(index, rows):
+        return [dict(r, rank=rank, iteration=index) for r in rows]
+
+    def on_rows(rows):
+        gathered = [None] * cp if rank == 0 else None
+        dist.gather_object(rows, gathered, dst=0)
+        if writer is not None:
+            writer.append([dict(r, run_id=run_id, timestamp=stamp, **meta) for part in gathered for r in part])
+
+    probe = profiling.Probe(rank, device, use_nvtx=opts.nvtx)
+    progress = _progress(opts.iters, rank == 0, case.label)
+    with progress as bar, _capture(device, opts.trace, rank):
+        task = bar.add_task(case.label, total=opts.iters) if bar is not None else None
+        _run_iterations(opts.phase, opts.iters, opts.warmup, probe, fwd, bwd, rows_of, on_rows, bar, task,
+                        fault_at=opts.fault)
+    return case
+
+
+def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
+    """``--simulate``: every rank's compute schedule of a cp=N ring, one rank after another, on one
+    device; the same CSV schema without communication rows."""
+    writer = RowWriter(opts.csv)
+    run_id = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}-sim"
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    n_cases = 0
+    for settings in groups:
+        for case in expand(settings):
+            if case.comm.value != "p2p":
+                raise ValueError(f"--simulate replays the p2p ring; case {case.label} uses {case.comm.value}")
+            for cp in opts.simulate:
+                n_cases += 1
+                for rows in _simulate_case(case, settings, cp, device, opts):
+                    meta = metadata(case, cp, device, get_kernel(settings.backend, device).name, True, opts.phase)
+                    writer.append([dict(r, run_id=run_id, timestamp=stamp, **meta) for r in rows])
+    writer.close()
+    from .report import print_summary
+    print_summary(writer.rows, n_cases)
+    if opts.csv:
+        print(f"sinkprof bench: wrote {opts.csv} ({len(writer.rows)} rows)")
+    return 0
+
+
+class _LocalKV:
+    def __init__(self, ks, vs):
+        self.ks, self.vs = ks, vs
+
+    def get(self, step):
+        return self.ks[step.kv_rank], self.vs[step.kv_rank]
+
+
+class _LocalDKV:
+    def __init__(self, dk, dv):
+        self.dk, self.dv = dk, dv
+
+    def start(self, step):
+        return self.dk, self.dv
+
+    def finish(self, step) -> None:
+        pass
+
+
+def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device, opts: BenchOptions):
+    spec = make_spec(case.softmax, case.mask, case.window, case.qkv_format)
+    case.shape.validate(cp)
+    fmt, sd = spec.qkv_format, spec.qkv_format.seq_dim
+    dtype = DTYPES[case.dtype]
+    acc = accum_dtype(dtype)
+    x = make_inputs(case.shape, spec, settings.seed, with_bias=case.bias).to(device, dtype)
+    kernel = get_kernel(settings.backend, device)
+    copts = CPOptions(spec, check_scale(None, case.shape.d), kernel, case.sink_strategy)
+    sink = sink_logits(spec.softmax_type, x.offset, case.shape.h, device)
+    chunk = case.shape.s // (2 * cp)
+    ks = [fmt.to_bhsd(shard(x.k, cp, r, sd)) for r in range(cp)]
+    vs = [fmt.to_bhsd(shard(x.v, cp, r, sd)) for r in range(cp)]
+    positions = [global_rows(cp, r, chunk, device) for r in range(cp)]
+    for rank in range(cp):
+        plan = ring_plan(cp, rank, chunk, spec.band)
+        q = shard(x.q, cp, rank, sd)
+        do = fmt.to_bhsd(shard(x.grad_out, cp, rank, sd))
+        bias = BiasTiles(x.bias, plan, positions[rank], positions, acc) if x.bias is not None else None
+        o_acc = torch.empty(q.shape, dtype=acc, device=device)
+        lse = torch.empty(q.shape[1 - sd], case.shape.h, 2 * chunk, dtype=acc, device=device)
+        out = torch.empty_like(q)
+        dq = torch.zeros(q.shape, dtype=acc, device=device)
+        dkv = _LocalDKV(torch.zeros(ks[0].shape, dtype=acc, device=device),
+                        torch.zeros(vs[0].shape, dtype=acc, device=device))
+        rows: list = []
+
+        def fwd(_inject):
+            run_forward(plan, fmt.to_bhsd(q), _LocalKV(ks, vs), sink, bias, copts, fmt.to_bhsd(o_acc), lse,
+                        fmt.to_bhsd(out))
+
+        def bwd(_out):
+            run_backward(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), do, lse, _LocalKV(ks, vs), dkv, sink, bias, copts,
+                         fmt.to_bhsd(dq))
+
+        probe = profiling.Probe(rank, device, use_nvtx=opts.nvtx)
+        with _capture(device, None, rank):
+            _run_iterations(opts.phase, opts.iters, opts.warmup, probe, fwd, bwd,
+                            lambda index, rs: [dict(r, rank=rank, iteration=index) for r in rs], rows.extend)
+        yield rows

@@ -1,0 +1,304 @@
+"""cuDNN tile kernels through the cuDNN frontend SDPA graphs (``import cudnn``).
+
+Forward: SDPA with Stats (fp32 natural-log LSE, sink included) and ``sink_token`` when the tile
+carries the sink. Backward: SDPA backward driven with the given (merged) Stats and output,
+``dSink_token`` when the tile carries the sink, ``dBias`` with a bias. Layouts go through strides
+(no copies). Graphs are cached by everything that changes them, so after warm-up a ring step
+only looks one up and executes it; one handle per device, bound to the current stream.
+
+Visibility: a tile's ``Band(lo, hi)`` is first normalised to ``lo <= 0 <= hi`` by slicing off the
+query rows and keys it cannot see (those rows get ``lse = -inf``, ``o = 0``), then expressed as a
+top-left causal mask or a diagonal band (``left_bound = 1 - lo``, ``right_bound = hi``). A shape,
+dtype or mask that cuDNN refuses falls back to the torch tiles for that key, logged once.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .kernels import TileGrads, TorchTiles
+from .options import Band
+
+log = logging.getLogger("sinkprof.cudnn")
+
+MIN_BACKEND_FOR_SINK = 91300     # cuDNN 9.13
+MIN_FRONTEND_FOR_SINK = (1, 19)
+
+try:  # the GPU extra is optional
+    import cudnn
+except Exception as _exc:  # pragma: no cover - depends on the machine
+    cudnn = None
+    _IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
+else:
+    _IMPORT_ERROR = None
+
+
+def versions() -> dict:
+    if cudnn is None:
+        return {"frontend": None, "backend": None}
+    return {"frontend": cudnn.__version__, "backend": cudnn.backend_version()}
+
+
+def _frontend_tuple() -> tuple:
+    return tuple(int(x) for x in cudnn.__version__.split(".")[:2])
+
+
+def unavailable_reason(sink: bool = True) -> Optional[str]:
+    """None when the cuDNN tiles can run here, else why not."""
+    if cudnn is None:
+        return f"nvidia-cudnn-frontend is not importable ({_IMPORT_ERROR}); pip install 'sinkprof[gpu]'"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    if sink and cudnn.backend_version() < MIN_BACKEND_FOR_SINK:
+        return f"sinks need cuDNN >= 9.13, found {cudnn.backend_version()}"
+    if sink and _frontend_tuple() < MIN_FRONTEND_FOR_SINK:
+        return f"sinks need nvidia-cudnn-frontend >= 1.19, found {cudnn.__version__}"
+    return None
+
+
+_IO_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}
+
+
+def _layout(t: Optional[torch.Tensor]):
+    return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, t.data_ptr() % 16)
+
+
+@dataclass
+class _Graph:
+    graph: object
+    tensors: dict          # name -> cudnn tensor
+    workspace: torch.Tensor
+
+
+def _trim(band: Band, n_q: int, n_kv: int):
+    """(q rows, kv rows, band) of the part of a tile that has anything visible, with
+    ``lo <= 0 <= hi``; None if the tile sees nothing."""
+    q0 = k0 = 0
+    if band.hi is not None and band.hi < 0:           # the first -hi rows see no key
+        q0 = -band.hi
+        band = band.shifted(q0)
+    if band.lo is not None and band.lo > 0:           # the first lo keys are seen by no row
+        k0 = band.lo
+        band = band.shifted(-band.lo)
+    q1, k1 = n_q, n_kv
+    if band.lo is not None:                           # rows past n_kv - lo see no key
+        q1 = min(n_q, q0 + (n_kv - k0) - band.lo)
+    if band.hi is not None:                           # keys past the last row + hi are unseen
+        k1 = min(n_kv, k0 + (q1 - q0) + band.hi)
+    if q1 <= q0 or k1 <= k0:
+        return None
+    lo = None if band.lo is None or band.lo <= -(q1 - q0 - 1) else band.lo
+    hi = None if band.hi is None or band.hi >= k1 - k0 - 1 else band.hi
+    return slice(q0, q1), slice(k0, k1), Band(lo, hi)
+
+
+def _mask_kwargs(band: Band) -> dict:
+    kw = {}
+    if band.hi == 0:
+        kw["use_causal_mask"] = True
+    elif band.hi is not None:
+        kw["diagonal_band_right_bound"] = band.hi
+        kw["diagonal_alignment"] = cudnn.diagonal_alignment.TOP_LEFT
+    if band.lo is not None:
+        kw["diagonal_band_left_bound"] = 1 - band.lo
+        kw.setdefault("diagonal_alignment", cudnn.diagonal_alignment.TOP_LEFT)
+    return kw
+
+
+class CudnnTiles:
+    """The tile kernel interface on cuDNN SDPA; see the module docstring."""
+
+    name = "cudnn"
+
+    def __init__(self, device_index: int):
+        self.device = torch.device("cuda", device_index)
+        with torch.cuda.device(self.device):
+            self.handle = cudnn.create_handle()
+        self._graphs: dict = {}
+        self._refused: dict = {}
+        self._torch = TorchTiles()
+        self.builds = 0
+
+    # -- graph cache -------------------------------------------------------------------------
+
+    def _bind_stream(self) -> None:
+        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _get(self, key, build):
+        g = self._graphs.get(key)
+        if g is not None:
+            return g
+        if key in self._refused:
+            return None
+        try:
+            g = build()
+        except Exception as exc:  # cuDNN refuses this shape/mask: fall back for this key, once logged
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self._refused[key] = reason
+            log.warning("cudnn refused a tile graph (%s); using torch tiles for it: %s", key[0], reason)
+            return None
+        self.builds += 1
+        self._graphs[key] = g
+        return g
+
+    def refused(self) -> dict:
+        """Keys cuDNN refused, with the reason: what ``doctor`` and the benchmarks report."""
+        return dict(self._refused)
+
+    def _new_graph(self, dtype):
+        io = getattr(cudnn.data_type, _IO_TYPES[dtype])
+        return cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                             compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
+
+    @staticmethod
+    def _finish(g) -> None:
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+
+    def _build_fwd(self, q, k, v, band, sink, bias, scale, o, stats):
+        g = self._new_graph(q.dtype)
+        t = {"q": g.tensor_like(q), "k": g.tensor_like(k), "v": g.tensor_like(v)}
+        kw = dict(name="sdpa", q=t["q"], k=t["k"], v=t["v"], generate_stats=True, attn_scale=scale,
+                  **_mask_kwargs(band))
+        if sink is not None:
+            t["sink"] = g.tensor_like(sink)
+            kw["sink_token"] = t["sink"]
+        if bias is not None:
+            t["bias"] = g.tensor_like(bias)
+            kw["bias"] = t["bias"]
+        t["o"], t["stats"] = g.sdpa(**kw)
+        t["o"].set_output(True).set_dim(list(o.shape)).set_stride(list(o.stride()))
+        t["stats"].set_output(True).set_data_type(cudnn.data_type.FLOAT) \
+            .set_dim(list(stats.shape)).set_stride(list(stats.stride()))
+        self._finish(g)
+        return _Graph(g, t, torch.empty(g.get_workspace_size(), dtype=torch.uint8, device=self.device))
+
+    def _build_bwd(self, q, k, v, o, do, stats, band, sink, bias, scale, dq, dk, dv, d_sink, d_bias):
+        g = self._new_graph(q.dtype)
+        t = {n: g.tensor_like(x) for n, x in dict(q=q, k=k, v=v, o=o, dO=do, stats=stats).items()}
+        kw = dict(name="sdpa_backward", q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=t["stats"],
+                  attn_scale=scale, **_mask_kwargs(band))
+        if sink is not None:
+            t["sink"], t["d_sink"] = g.tensor_like(sink), g.tensor_like(d_sink)
+            kw.update(sink_token=t["sink"], dSink_token=t["d_sink"])
+        if bias is not None:
+            t["bias"], t["d_bias"] = g.tensor_like(bias), g.tensor_like(d_bias)
+            kw.update(bias=t["bias"], dBias=t["d_bias"])
+        t["dq"], t["dk"], t["dv"] = g.sdpa_backward(**kw)
+        for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
+            t[name].set_output(True).set_dim(list(x.shape)).set_stride(list(x.stride()))
+        if sink is not None:
+            t["d_sink"].set_output(True)
+        if bias is not None:
+            t["d_bias"].set_output(True)
+        self._finish(g)
+        return _Graph(g, t, torch.empty(g.get_workspace_size(), dtype=torch.uint8, device=self.device))
+
+    def _run(self, g: _Graph, tensors: dict) -> None:
+        self._bind_stream()
+        g.graph.execute({g.tensors[n]: x for n, x in tensors.items()}, g.workspace, handle=self.handle)
+
+    # -- the tile interface ------------------------------------------------------------------
+
+    @staticmethod
+    def _empty_like_rows(q: torch.Tensor, rows: int) -> torch.Tensor:
+        """A ``[b, h, rows, d]`` view with bshd strides, the layout cuDNN writes fastest."""
+        b, h, _, d = q.shape
+        return torch.empty(b, rows, h, d, dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
+
+    def forward(self, q, k, v, band, sink, bias, scale):
+        if q.dtype not in _IO_TYPES:
+            return self._torch.forward(q, k, v, band, sink, bias, scale)
+        n_q, n_kv = q.shape[2], k.shape[2]
+        trimmed = _trim(band, n_q, n_kv)
+        if trimmed is None or trimmed[0] != slice(0, n_q):
+            return self._forward_trimmed(q, k, v, band, sink, bias, scale, trimmed)
+        _, cols, band = trimmed
+        if cols != slice(0, n_kv):
+            k, v = k[:, :, cols], v[:, :, cols]
+            bias = bias[:, :, :, cols] if bias is not None else None
+        o = self._empty_like_rows(q, n_q)
+        stats = torch.empty(q.shape[0], q.shape[1], n_q, 1, dtype=torch.float32, device=q.device)
+        key = ("fwd", _layout(q), _layout(k), _layout(v), band, _layout(sink), _layout(bias), scale)
+        g = self._get(key, lambda: self._build_fwd(q, k, v, band, sink, bias, scale, o, stats))
+        if g is None:
+            return self._torch.forward(q, k, v, band, sink, bias, scale)
+        tensors = dict(q=q, k=k, v=v, o=o, stats=stats)
+        if sink is not None:
+            tensors["sink"] = sink
+        if bias is not None:
+            tensors["bias"] = bias
+        self._run(g, tensors)
+        return o, stats.squeeze(-1)
+
+    def _forward_trimmed(self, q, k, v, band, sink, bias, scale, trimmed):
+        """Rows that see no key: run the visible part, leave ``o = 0`` and ``lse = -inf`` (or the
+        sink) elsewhere."""
+        b, h, n_q, _ = q.shape
+        o = torch.zeros_like(self._empty_like_rows(q, n_q))
+        lse = torch.full((b, h, n_q), float("-inf"), dtype=torch.float32, device=q.device)
+        if trimmed is not None:
+            rows, cols, sub = trimmed
+            o_part, lse_part = self.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], sub, None if sink is None else sink,
+                                            None if bias is None else bias[:, :, rows][:, :, :, cols], scale)
+            o[:, :, rows] = o_part
+            lse[:, :, rows] = lse_part
+        if sink is not None:  # a row with no key still has the sink: lse = a, o = 0
+            empty = torch.isneginf(lse)
+            lse = torch.where(empty, sink.reshape(1, -1, 1).to(lse.dtype).expand_as(lse), lse)
+        return o, lse
+
+    def backward(self, q, k, v, o, grad_out, lse, band, sink, bias, scale):
+        if q.dtype not in _IO_TYPES:
+            return self._torch.backward(q, k, v, o, grad_out, lse, band, sink, bias, scale)
+        n_q, n_kv = q.shape[2], k.shape[2]
+        trimmed = _trim(band, n_q, n_kv)
+        if trimmed is None or trimmed != (slice(0, n_q), slice(0, n_kv), trimmed[2]):
+            return self._backward_trimmed(q, k, v, o, grad_out, lse, band, sink, bias, scale, trimmed)
+        band = trimmed[2]
+        stats = lse.unsqueeze(-1)
+        dq = self._empty_like_rows(q, n_q)
+        dk, dv = self._empty_like_rows(k, n_kv), self._empty_like_rows(v, n_kv)
+        d_sink = torch.empty_like(sink) if sink is not None else None
+        d_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None else None
+        key = ("bwd", _layout(q), _layout(k), _layout(v), _layout(o), _layout(grad_out), _layout(stats), band,
+               _layout(sink), _layout(bias), scale)
+        g = self._get(key, lambda: self._build_bwd(q, k, v, o, grad_out, stats, band, sink, bias, scale,
+                                                   dq, dk, dv, d_sink, d_bias))
+        if g is None:
+            return self._torch.backward(q, k, v, o, grad_out, lse, band, sink, bias, scale)
+        tensors = dict(q=q, k=k, v=v, o=o, dO=grad_out, stats=stats, dq=dq, dk=dk, dv=dv)
+        if sink is not None:
+            tensors.update(sink=sink, d_sink=d_sink)
+        if bias is not None:
+            tensors.update(bias=bias, d_bias=d_bias)
+        self._run(g, tensors)
+        return TileGrads(dq, dk, dv, d_sink, d_bias)
+
+    def _backward_trimmed(self, q, k, v, o, grad_out, lse, band, sink, bias, scale, trimmed):
+        """Rows or keys that see nothing get zero gradients; the sink of an empty row gets
+        ``-exp(a - lse') * D`` with ``D = rowsum(dO * o') = 0``, i.e. nothing."""
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        d_sink = torch.zeros_like(sink) if sink is not None else None
+        d_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None else None
+        if trimmed is not None:
+            rows, cols, sub = trimmed
+            part = self.backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], o[:, :, rows], grad_out[:, :, rows],
+                                 lse[:, :, rows], sub, sink,
+                                 None if bias is None else bias[:, :, rows][:, :, :, cols], scale)
+            dq[:, :, rows] = part.dq.float()
+            dk[:, :, cols] = part.dk.float()
+            dv[:, :, cols] = part.dv.float()
+            if sink is not None:
+                d_sink = part.d_sink
+            if bias is not None:
+                d_bias[:, :, rows, cols] = part.d_bias.float()
+        return TileGrads(dq, dk, dv, d_sink, d_bias)

@@ -1,0 +1,192 @@
+"""Profiling hooks of the ring: NVTX ranges, ``torch.profiler`` ranges and per-step timings.
+
+The ring loops and the communication layer call ``profiling.active``, a ``NullProbe`` unless a
+benchmark installed a ``Probe``: then each ring step gets one range for its compute and one for
+its communication (posted in step i, waited at step i+1), all in the NVTX domain ``sinkprof``,
+mirrored by ``torch.profiler.record_function`` so Kineto traces show the same structure, and
+timed: CUDA events on the compute and communication streams (read after the iteration, never
+inside the loop), wall clock on the CPU. All times are relative to one mark per iteration.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+try:
+    import nvtx
+except Exception:  # pragma: no cover - nvtx is a core dependency, but keep the ring importable
+    nvtx = None
+
+DOMAIN = "sinkprof"
+
+
+class NullProbe:
+    """Profiling off: every hook is a no-op (the ring pays one attribute lookup per step)."""
+
+    enabled = False
+    _null = contextlib.nullcontext()
+
+    def compute(self, phase: str, step: int):
+        return self._null
+
+    def comm_start(self, phase: str, step: int, kind: str, stream=None):
+        return None
+
+    def comm_end(self, token, stream=None) -> None:
+        pass
+
+
+active = NullProbe()
+
+
+@dataclass
+class Span:
+    phase: str
+    step: int
+    kind: str          # compute, kv, dkv, a2a, iteration
+    start: object      # CUDA event or perf_counter seconds
+    end: object = None
+
+
+class _Clock:
+    """Marks on the GPU timeline (events from a reused pool) or the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.pool: list = []
+        self.used = 0
+
+    def mark(self, stream=None):
+        if not self.cuda:
+            return time.perf_counter()
+        if self.used == len(self.pool):
+            self.pool.append(torch.cuda.Event(enable_timing=True))
+        ev = self.pool[self.used]
+        self.used += 1
+        ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return ev
+
+    def reset(self) -> None:
+        self.used = 0
+
+    def ms(self, ref, mark) -> float:
+        if not self.cuda:
+            return (mark - ref) * 1e3
+        return ref.elapsed_time(mark)
+
+
+class Probe:
+    """Profiling on: NVTX + record_function ranges (each optional) and span timings."""
+
+    enabled = True
+
+    def __init__(self, rank: int, device: torch.device, use_nvtx: bool = True, use_record_function: bool = True):
+        self.rank = rank
+        self.clock = _Clock(torch.device(device))
+        self.use_nvtx = use_nvtx and nvtx is not None
+        self.use_rf = use_record_function
+        self.spans: list[Span] = []
+        self.ref = None
+
+    # ranges ---------------------------------------------------------------------------------
+
+    def _open(self, name: str, nested: bool):
+        handles = [None, None]
+        if self.use_nvtx:
+            if nested:
+                nvtx.push_range(name, domain=DOMAIN)
+            else:
+                handles[0] = nvtx.start_range(name, domain=DOMAIN)
+        if self.use_rf:
+            rf = torch.autograd.profiler.record_function(name)
+            rf.__enter__()
+            handles[1] = rf
+        return handles
+
+    def _close(self, handles, nested: bool) -> None:
+        if handles[1] is not None:
+            handles[1].__exit__(None, None, None)
+        if self.use_nvtx:
+            if nested:
+                nvtx.pop_range(domain=DOMAIN)
+            else:
+                nvtx.end_range(handles[0])
+
+    @contextlib.contextmanager
+    def iteration(self, phase: str, index: int):
+        """One measured iteration of one phase: the reference mark, a range, a wall span."""
+        self.clock.reset()
+        self.spans = []
+        handles = self._open(f"{phase} iter {index} rank {self.rank}", nested=True)
+        self.ref = self.clock.mark()
+        span = Span(phase, -1, "iteration", self.ref)
+        try:
+            yield
+        finally:
+            span.end = self.clock.mark()
+            self.spans.append(span)
+            self._close(handles, nested=True)
+
+    @contextlib.contextmanager
+    def compute(self, phase: str, step: int):
+        handles = self._open(f"{phase} step {step} compute rank {self.rank}", nested=True)
+        span = Span(phase, step, "compute", self.clock.mark())
+        try:
+            yield
+        finally:
+            span.end = self.clock.mark()
+            self.spans.append(span)
+            self._close(handles, nested=True)
+
+    def comm_start(self, phase: str, step: int, kind: str, stream=None):
+        handles = self._open(f"{phase} step {step} {kind} rank {self.rank}", nested=False)
+        return Span(phase, step, kind, self.clock.mark(stream)), handles
+
+    def comm_end(self, token, stream=None) -> None:
+        span, handles = token
+        span.end = self.clock.mark(stream)
+        self.spans.append(span)
+        self._close(handles, nested=False)
+
+    # results --------------------------------------------------------------------------------
+
+    def read(self) -> list[dict]:
+        """Spans of the last iteration as rows (synchronises the device once)."""
+        if self.clock.cuda:
+            torch.cuda.synchronize(self.clock.device)
+        rows = []
+        for s in self.spans:
+            start, end = self.clock.ms(self.ref, s.start), self.clock.ms(self.ref, s.end)
+            rows.append(dict(phase=s.phase, step=s.step, kind=s.kind, start_ms=start, end_ms=end, dur_ms=end - start))
+        return rows
+
+
+@contextlib.contextmanager
+def installed(probe):
+    """Make ``probe`` the active one for the duration of the block."""
+    global active
+    previous, active = active, probe
+    try:
+        yield probe
+    finally:
+        active = previous
+
+
+def overlap_rows(rows: list[dict]) -> list[dict]:
+    """Add ``overlap_ms`` and ``exposed_ms`` to communication rows: the part of an exchange that
+    ran while its step computed, and the rest (communication nobody hid)."""
+    compute = {(r["phase"], r["step"]): r for r in rows if r["kind"] == "compute"}
+    for r in rows:
+        if r["kind"] in ("kv", "dkv", "a2a"):
+            c = compute.get((r["phase"], r["step"]))
+            ov = 0.0
+            if c is not None:
+                ov = max(0.0, min(r["end_ms"], c["end_ms"]) - max(r["start_ms"], c["start_ms"]))
+            r["overlap_ms"] = ov
+            r["exposed_ms"] = max(0.0, r["dur_ms"] - ov)
+    return rows

@@ -1,0 +1,121 @@
+"""`sinkprof bench` and `sinkprof report` on the CPU: the CSV schema, per-step rows, consistency
+with the iteration wall time, NVTX ranges, traces, and the rows a crash leaves behind."""
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from sinkprof import profiling
+from sinkprof.bench import COLUMNS, BenchOptions, simulate
+from sinkprof.check import Settings
+from sinkprof.report import iteration_table, load, report, step_table
+
+pytestmark = pytest.mark.slow
+
+
+def _assert_consistent(df):
+    assert (df["dur_ms"] >= 0).all()
+    assert (df["end_ms"] >= df["start_ms"]).all()
+    for _, part in df.groupby(["cp", "rank", "iteration"]):
+        wall = part[part["kind"] == "iteration"]
+        assert len(wall) == 1
+        wall_ms = float(wall["dur_ms"].iloc[0])
+        compute = part[part["kind"] == "compute"]
+        assert compute["dur_ms"].sum() <= wall_ms + 1e-6
+        assert (compute["start_ms"] >= -1e-6).all() and (compute["end_ms"] <= wall_ms + 1e-6).all()
+
+
+def test_bench_csv_schema_rows_and_consistency(cli, tmp_path):
+    out = tmp_path / "bench.csv"
+    trace = tmp_path / "trace"
+    res = cli("bench", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp32", "--warmup", "1",
+              "--iters", "3", "--csv", str(out), "--trace", str(trace))
+    assert res.returncode == 0, res.stdout + res.stderr
+    df = pd.read_csv(out)
+    assert list(df.columns) == COLUMNS
+    assert set(df["rank"]) == {0, 1} and set(df["iteration"]) == {0, 1, 2}
+    assert df["run_id"].nunique() == 1 and (df["cp"] == 2).all()
+    per = df.groupby(["rank", "iteration", "phase", "step", "kind"]).size()
+    assert (per == 1).all()  # one row per (rank, iteration, phase, step, kind)
+    kinds = {(p, s, k) for (_, _, p, s, k) in per.index}
+    assert kinds == {("fwd", 0, "compute"), ("fwd", 1, "compute"), ("bwd", 0, "compute"), ("bwd", 1, "compute"),
+                     ("fwd", 0, "kv"), ("bwd", 0, "kv"), ("bwd", 0, "dkv"), ("bwd", 1, "dkv"),
+                     ("fwdbwd", -1, "iteration")}
+    comm = df[df["kind"].isin(["kv", "dkv"])]
+    assert (comm["overlap_ms"] >= 0).all()
+    assert ((comm["overlap_ms"] + comm["exposed_ms"] - comm["dur_ms"]).abs() < 1e-6).all()
+    _assert_consistent(df)
+    for rank in (0, 1):
+        names = {e.get("name") for e in json.loads((trace / f"rank{rank}.json").read_text())["traceEvents"]}
+        assert f"fwd step 1 compute rank {rank}" in names and f"bwd step 0 dkv rank {rank}" in names
+    its = iteration_table(load([out]))
+    assert len(its) == 1 and its["tflops_per_gpu"].iloc[0] > 0
+
+
+def test_a_crash_mid_run_keeps_the_rows_already_measured(cli, tmp_path):
+    out = tmp_path / "bench.csv"
+    res = cli("bench", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp32", "--warmup", "1",
+              "--iters", "3", "--csv", str(out), "--inject", "crash", "--timeout", "10")
+    assert res.returncode == 1
+    assert not out.exists()
+    partial = Path(str(out) + ".partial")
+    df = pd.read_csv(partial)
+    assert set(df["iteration"]) == {0} and set(df["rank"]) == {0, 1}
+    _assert_consistent(df)
+
+
+class _CountingNvtx:
+    def __init__(self):
+        self.pushed = self.popped = self.started = self.ended = 0
+
+    def push_range(self, message, domain=None):
+        assert domain == "sinkprof"
+        self.pushed += 1
+
+    def pop_range(self, domain=None):
+        self.popped += 1
+
+    def start_range(self, message, domain=None):
+        self.started += 1
+        return self.started
+
+    def end_range(self, handle):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("use_nvtx", [True, False])
+def test_simulate_emits_one_nvtx_range_per_step_and_iteration(monkeypatch, tmp_path, use_nvtx):
+    fake = _CountingNvtx()
+    monkeypatch.setattr(profiling, "nvtx", fake)
+    out = tmp_path / "sim.csv"
+    settings = Settings(softmax=("learnable",), mask=("causal",), dtype=("fp32",), s=64)
+    opts = BenchOptions(warmup=1, iters=2, phase="fwdbwd", csv=str(out), nvtx=use_nvtx, simulate=(2, 4))
+    assert simulate([settings], opts, __import__("torch").device("cpu")) == 0
+    df = pd.read_csv(out)
+    assert list(df.columns) == COLUMNS
+    assert not df["kind"].isin(["kv", "dkv", "a2a"]).any() and df["simulated"].all()
+    assert set(df[df["cp"] == 4]["rank"]) == {0, 1, 2, 3}
+    _assert_consistent(df)
+    ranges = sum(2 * cp * (1 + 2 * cp) for cp in (2, 4))  # iters x ranks x (iteration + fwd and bwd steps)
+    assert fake.pushed == (ranges if use_nvtx else 0)
+    assert fake.popped == fake.pushed
+    assert fake.started == fake.ended == 0
+
+
+def test_report_summarises_and_plots(tmp_path, capsys):
+    out = tmp_path / "sim.csv"
+    settings = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp32",), s=64)
+    simulate([settings], BenchOptions(warmup=0, iters=2, phase="fwd", csv=str(out), simulate=(2,)),
+             __import__("torch").device("cpu"))
+    steps = step_table(load([out]))
+    assert set(steps["step"]) == {0, 1} and (steps["compute_ms"] > 0).all()
+    written = report([out], str(tmp_path / "plots"))
+    assert written and all(Path(p).stat().st_size > 1000 for p in written)
+
+
+def test_report_rejects_a_file_that_is_not_a_bench_csv(tmp_path):
+    bad = tmp_path / "x.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="missing columns"):
+        load([bad])
