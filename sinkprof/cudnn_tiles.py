@@ -265,8 +265,9 @@ class CudnnTiles:
         stats = lse.unsqueeze(-1)
         dq = self._empty_like_rows(q, n_q)
         dk, dv = self._empty_like_rows(k, n_kv), self._empty_like_rows(v, n_kv)
-        d_sink = torch.empty_like(sink) if sink is not None else None
-        d_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None else None
+        # zeroed, in case the kernel accumulates into them across its blocks
+        d_sink = torch.zeros_like(sink) if sink is not None else None
+        d_bias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None else None
         key = ("bwd", _layout(q), _layout(k), _layout(v), _layout(o), _layout(grad_out), _layout(stats), band,
                _layout(sink), _layout(bias), scale)
         g = self._get(key, lambda: self._build_bwd(q, k, v, o, grad_out, stats, band, sink, bias, scale,
