@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Everything this project runs on the one-H200 machine, in one call; logs and results under $OUT.
-# Usage (device tool, carrying .whl): bash scripts/gpu_session.sh [tests|check|bench|all]
+# Usage (device tool, carrying .whl): bash scripts/gpu_session.sh [tests] [check] [bench] (default: all)
+# Everything lands in one archive, $OUT/results.tgz (the device tool returns at most 8 files).
 set -u
-what=${1:-all}
+what=" ${*:-tests check bench} "
 python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/out}
+OUT=/tmp/sinkprof-gpu
+rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
+trap 'tar czf "$FINAL/results.tgz" -C "$OUT" . ; cp "$OUT/session.log" "$FINAL/" 2>/dev/null' EXIT
 run() {  # name, seconds, command...: one step, its log, its exit code; a stuck step cannot eat the call
   local name=$1 secs=$2; shift 2
   echo "== $name: $*" | tee -a "$OUT/session.log"
@@ -18,11 +21,11 @@ run() {  # name, seconds, command...: one step, its log, its exit code; a stuck 
 }
 SP="python3 -m sinkprof"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-if [[ $what == tests || $what == all ]]; then
+if [[ $what == *" tests "* ]]; then
   run doctor 120 $SP doctor
   run gpu_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py
 fi
-if [[ $what == check || $what == all ]]; then
+if [[ $what == *" check "* ]]; then
   run check_cp2 300 $SP check --device cuda --backend cudnn --nproc 2 --comm p2p,a2a --softmax all --mask all \
       --dtype bf16,fp16 --sink-strategy all --sink-grad all --b 2 --s 2048 --h 8 --g 2 --d 64 \
       --format json --output "$OUT/check_cuda_cp2.json"
@@ -30,7 +33,7 @@ if [[ $what == check || $what == all ]]; then
       --dtype bf16 --sink-strategy all --sink-grad all --b 2 --s 2048 --h 8 --g 4 --d 64 \
       --format json --output "$OUT/check_cuda_cp4.json"
 fi
-if [[ $what == bench || $what == all ]]; then
+if [[ $what == *" bench "* ]]; then
   run kernel_bench 400 python3 scripts/bench_kernels.py --out "$OUT/kernel_bench.json"
   run bench_te_cp2 300 $SP bench --profile te-sink --nproc 2 --warmup 2 --iters 5 --csv "$OUT/bench_te_cp2.csv" \
       --trace "$OUT/trace"
