@@ -34,8 +34,8 @@ if [[ $what == *" check "* ]]; then
       --format json --output "$OUT/check_cuda_cp4.json"
 fi
 if [[ $what == *" bench "* ]]; then
-  run kernel_bench 400 python3 scripts/bench_kernels.py --out "$OUT/kernel_bench.json"
-  run bench_te_cp2 300 $SP bench --profile te-sink --nproc 2 --warmup 2 --iters 5 --csv "$OUT/bench_te_cp2.csv" \
+  run kernel_bench 200 python3 scripts/bench_kernels.py --out "$OUT/kernel_bench.json"
+  run bench_te_cp2 150 $SP bench --profile te-sink --nproc 2 --warmup 2 --iters 5 --csv "$OUT/bench_te_cp2.csv" \
       --trace "$OUT/trace"
-  run bench_te_sim 300 $SP bench --profile te-sink --simulate 2,4,8 --warmup 2 --iters 5 --csv "$OUT/bench_te_sim.csv"
+  run bench_te_sim 120 $SP bench --profile te-sink --simulate 2,4,8 --warmup 2 --iters 5 --csv "$OUT/bench_te_sim.csv"
 fi

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .a2a import expected_a2a_comm
 from .context_parallel import _cp_attention, comm_for, cp_groups
 from .dist import RankInfo, where
+from .kernels import get_kernel
 from .options import (Comm as CommType, DTYPES, Fault, MaskType, QKVFormat, SinkGrad, SinkStrategy,
                       SoftmaxType, make_spec)
 from .plan import chunk_ids, expected_comm, shard
@@ -130,6 +131,7 @@ class CaseResult:
     tolerance: Tolerance
     seconds: float
     notes: list = field(default_factory=list)
+    backend: str = "torch"        # the tile kernels that ran
 
     def to_json(self) -> dict:
         c = self.case
@@ -140,7 +142,7 @@ class CaseResult:
                 "shape": asdict(c.shape), "passed": self.passed,
                 "errors": {k: {"max_abs": e.max_abs, "worst": e.worst, "passed": e.passed} for k, e in self.errors.items()},
                 "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol},
-                "seconds": self.seconds, "notes": self.notes}
+                "backend": self.backend, "seconds": self.seconds, "notes": self.notes}
 
 
 # The tensors compared, in a fixed order so ranks can reduce them element by element.
@@ -186,6 +188,8 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, fault: Optiona
     bias = x.bias.requires_grad_() if x.bias is not None else None
     grad_out = shard(x.grad_out, cp, rank, sd)
     comm = comm_for(None, timeout)
+    kernel = get_kernel(backend, device)
+    refused_before = set(getattr(kernel, "refused", dict)())
     a2a_size = case.a2a_size if case.comm is CommType.A2A_P2P else None
     groups = cp_groups(case.comm, None, a2a_size, timeout)
     for c in (groups.inner, groups.outer):
@@ -231,16 +235,20 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, fault: Optiona
         if dict(group.counts) != expected:
             notes.append(f"rank {rank}: messages per step {dict(group.counts)} differ from the plan's {expected}")
             errors["comm"] = Error(float("nan"), float("inf"), False)
+    refused = {k: v for k, v in getattr(kernel, "refused", dict)().items() if k not in refused_before}
+    if refused:
+        notes.append(f"rank {rank}: cuDNN refused {len(refused)} tile graph(s), the torch tiles ran them: "
+                     + "; ".join(sorted(set(refused.values())))[:500])
     aliased = [n for n, t in got.named().items() if any(shares_storage(t, r) for r in ref.named().values())]
     changed = snapshot.changed(ref)
     if aliased or changed:
         notes.append(f"rank {rank}: the reference is not independent of the CP run "
                      f"(shares storage: {aliased or '-'}; modified after it was computed: {changed or '-'})")
         errors["reference"] = Error(float("nan"), float("inf"), False)
-    return _reduce(case, cp, errors, tol, seconds, notes, info, comm)
+    return _reduce(case, cp, errors, tol, seconds, notes, info, comm, kernel.name)
 
 
-def _reduce(case, cp, errors, tol, seconds, notes, info: RankInfo, comm) -> CaseResult:
+def _reduce(case, cp, errors, tol, seconds, notes, info: RankInfo, comm, backend: str) -> CaseResult:
     """Max of every error and of the time over ranks; a failure on any rank fails the case."""
     dev = info.device if info.backend == "nccl" else torch.device("cpu")
     # Any rank may add "comm" or "reference": agree on which entries exist before reducing values.
@@ -255,7 +263,7 @@ def _reduce(case, cp, errors, tol, seconds, notes, info: RankInfo, comm) -> Case
     comm.all_reduce_(t, "result reduce", op=dist.ReduceOp.MAX)
     vals = t.tolist()
     reduced = {n: Error(vals[3 * i], vals[3 * i + 1], vals[3 * i + 2] == 0.0) for i, n in enumerate(names)}
-    return CaseResult(case, cp, all(e.passed for e in reduced.values()), reduced, tol, vals[-1], notes)
+    return CaseResult(case, cp, all(e.passed for e in reduced.values()), reduced, tol, vals[-1], notes, backend)
 
 
 @dataclass(frozen=True)

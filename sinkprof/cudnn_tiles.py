@@ -26,6 +26,7 @@ log = logging.getLogger("sinkprof.cudnn")
 
 MIN_BACKEND_FOR_SINK = 91300     # cuDNN 9.13
 MIN_FRONTEND_FOR_SINK = (1, 19)
+PACKED_STATS_BEFORE = 92600      # below cuDNN 9.26 the backward's Stats input must be packed BHSD
 
 try:  # the GPU extra is optional
     import cudnn
@@ -263,6 +264,8 @@ class CudnnTiles:
             return self._backward_trimmed(q, k, v, o, grad_out, lse, band, sink, bias, scale, trimmed)
         band = trimmed[2]
         stats = lse.unsqueeze(-1)
+        if not stats.is_contiguous() and cudnn.backend_version() < PACKED_STATS_BEFORE:
+            stats = stats.contiguous()  # a row slice of the merged stats; older cuDNN wants them packed
         dq = self._empty_like_rows(q, n_q)
         dk, dv = self._empty_like_rows(k, n_kv), self._empty_like_rows(v, n_kv)
         # zeroed, in case the kernel accumulates into them across its blocks
