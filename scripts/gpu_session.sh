@@ -4,8 +4,9 @@
 # Everything lands in one archive, $OUT/results.tgz (the device tool returns at most 8 files).
 set -u
 what=" ${*:-tests check bench} "
-python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+SITE=/tmp/sinkprof-site
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || exit 1
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 FINAL=${OUT:-/tmp/out}
 OUT=/tmp/sinkprof-gpu
 rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"

@@ -35,6 +35,9 @@ except Exception as _exc:  # pragma: no cover - depends on the machine
     _IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
 else:
     _IMPORT_ERROR = None
+    if not hasattr(cudnn, "backend_version"):  # e.g. a bare namespace package of that name
+        _IMPORT_ERROR = f"the module 'cudnn' found at {getattr(cudnn, '__path__', '?')} is not the cuDNN frontend"
+        cudnn = None
 
 
 def versions() -> dict:
