@@ -13,6 +13,7 @@ dtype or mask that cuDNN refuses falls back to the torch tiles for that key, log
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -77,6 +78,7 @@ class _Graph:
     workspace: torch.Tensor
 
 
+@functools.lru_cache(maxsize=4096)
 def _trim(band: Band, n_q: int, n_kv: int):
     """(q rows, kv rows, band) of the part of a tile that has anything visible, with
     ``lo <= 0 <= hi``; None if the tile sees nothing."""

@@ -32,12 +32,16 @@ def _as_rows(sink: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
-    """In place: add a partial result over a disjoint key set into the accumulators."""
-    new = torch.logaddexp(lse_acc, lse)
-    safe = new.masked_fill(new == NEG_INF, 0.0)
-    o_acc.mul_(torch.exp(lse_acc - safe).unsqueeze(-1))
-    o_acc.add_(o.to(o_acc.dtype) * torch.exp(lse.to(safe.dtype) - safe).unsqueeze(-1))
-    lse_acc.copy_(new)
+    """In place: add a partial result over a disjoint key set into the accumulators.
+
+    The new part's weight is ``exp(lse - lse') = sigmoid(lse - lse_acc)``; six kernels in all,
+    since each launch costs host time on every ring step.
+    """
+    diff = lse.to(lse_acc.dtype) - lse_acc
+    diff.nan_to_num_(nan=NEG_INF)                 # both rows empty: keep the accumulator as it is
+    weight = torch.sigmoid(diff).unsqueeze(-1)
+    o_acc.lerp_(o.to(o_acc.dtype), weight)        # (1 - w) o_acc + w o, exact at w = 0 and w = 1
+    torch.logaddexp(lse_acc, lse.to(lse_acc.dtype), out=lse_acc)
 
 
 def finalize_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: Optional[torch.Tensor]) -> None:
@@ -55,8 +59,12 @@ def finalize_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sin
 
 
 def delta(o: torch.Tensor, grad_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """FlashAttention's ``D = rowsum(dO * o)`` as ``[b, h, s]``."""
-    return (grad_out.to(dtype) * o.to(dtype)).sum(-1)
+    """FlashAttention's ``D = rowsum(dO * o)`` as ``[b, h, s]``, summed in ``dtype``.
+
+    The product stays in the inputs' dtype (one pass, no fp32 copies of o and dO: this is most of
+    the post-merge backward's extra cost); the sum accumulates in ``dtype``.
+    """
+    return (grad_out * o.to(grad_out.dtype)).sum(-1, dtype=dtype)
 
 
 def sink_grad(o: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
