@@ -22,11 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sinkprof.emulate import _IndexedDKV, _IndexedKV  # noqa: E402
 from sinkprof.kernels import get_kernel  # noqa: E402
 from sinkprof.options import Band, CPOptions, SinkStrategy, make_spec  # noqa: E402
 from sinkprof.plan import ring_plan, shard  # noqa: E402
-from sinkprof.ring import run_backward, run_forward  # noqa: E402
+from sinkprof.ring import LocalDKV, LocalKV, run_backward, run_forward  # noqa: E402
 from sinkprof.sink import sink_grad  # noqa: E402
 
 
@@ -110,14 +109,14 @@ def ring_bench(kernel, cp, b, h, g, s, d, causal: bool, strategy, softmax: str) 
         qh = ql.permute(0, 2, 1, 3)
 
         def fwd():
-            run_forward(plan, qh, _IndexedKV(ks, vs), sink, None, opts, o_acc.permute(0, 2, 1, 3), lse,
+            run_forward(plan, qh, LocalKV(ks, vs), sink, None, opts, o_acc.permute(0, 2, 1, 3), lse,
                         out.permute(0, 2, 1, 3))
         dq = torch.zeros(ql.shape, dtype=torch.float32, device="cuda").permute(0, 2, 1, 3)
         dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
         dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
 
         def bwd():
-            run_backward(plan, qh, out.permute(0, 2, 1, 3), dol, lse, _IndexedKV(ks, vs), _IndexedDKV(dks, dvs),
+            run_backward(plan, qh, out.permute(0, 2, 1, 3), dol, lse, LocalKV(ks, vs), LocalDKV(dks, dvs),
                          sink, None, opts, dq)
         fwd()
         flops = sum(4 * b * h * d * visible_pairs(t.band, t.q_rows.stop - t.q_rows.start,

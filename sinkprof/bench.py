@@ -29,7 +29,7 @@ from .dist import RankInfo, where
 from .kernels import get_kernel
 from .options import DTYPES, CPOptions, Fault, accum_dtype, check_scale, make_spec
 from .plan import global_rows, ring_plan, shard
-from .ring import BiasTiles, run_backward, run_forward
+from .ring import BiasTiles, LocalDKV, LocalKV, run_backward, run_forward
 from .sink import sink_logits
 from .testing import make_inputs
 
@@ -267,25 +267,6 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     return 0
 
 
-class _LocalKV:
-    def __init__(self, ks, vs):
-        self.ks, self.vs = ks, vs
-
-    def get(self, step):
-        return self.ks[step.kv_rank], self.vs[step.kv_rank]
-
-
-class _LocalDKV:
-    def __init__(self, dk, dv):
-        self.dk, self.dv = dk, dv
-
-    def start(self, step):
-        return self.dk, self.dv
-
-    def finish(self, step) -> None:
-        pass
-
-
 def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device, opts: BenchOptions):
     spec = make_spec(case.softmax, case.mask, case.window, case.qkv_format)
     case.shape.validate(cp)
@@ -309,16 +290,16 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
         lse = torch.empty(q.shape[1 - sd], case.shape.h, 2 * chunk, dtype=acc, device=device)
         out = torch.empty_like(q)
         dq = torch.zeros(q.shape, dtype=acc, device=device)
-        dkv = _LocalDKV(torch.zeros(ks[0].shape, dtype=acc, device=device),
+        dkv = LocalDKV(torch.zeros(ks[0].shape, dtype=acc, device=device),
                         torch.zeros(vs[0].shape, dtype=acc, device=device))
         rows: list = []
 
         def fwd(_inject):
-            run_forward(plan, fmt.to_bhsd(q), _LocalKV(ks, vs), sink, bias, copts, fmt.to_bhsd(o_acc), lse,
+            run_forward(plan, fmt.to_bhsd(q), LocalKV(ks, vs), sink, bias, copts, fmt.to_bhsd(o_acc), lse,
                         fmt.to_bhsd(out))
 
         def bwd(_out):
-            run_backward(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), do, lse, _LocalKV(ks, vs), dkv, sink, bias, copts,
+            run_backward(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), do, lse, LocalKV(ks, vs), dkv, sink, bias, copts,
                          fmt.to_bhsd(dq))
 
         probe = profiling.Probe(rank, device, use_nvtx=opts.nvtx)

@@ -14,29 +14,10 @@ from .kernels import TorchTiles
 from .options import (AttnSpec, CPOptions, MaskType, SinkStrategy, SoftmaxType, accum_dtype, check_scale,
                       make_spec)
 from .a2a import join_outer
-from .plan import Step, global_rows, ring_plan, shard, unshard
-from .ring import BiasTiles, run_backward, run_forward
+from .plan import global_rows, ring_plan, shard, unshard
+from .ring import BiasTiles, LocalDKV, LocalKV, run_backward, run_forward
 from .sink import sink_logits
 from .testing import Inputs, Result, Shape, make_inputs, reference
-
-
-class _IndexedKV:
-    def __init__(self, ks, vs):
-        self.ks, self.vs = ks, vs
-
-    def get(self, step: Step):
-        return self.ks[step.kv_rank], self.vs[step.kv_rank]
-
-
-class _IndexedDKV:
-    def __init__(self, dks, dvs):
-        self.dks, self.dvs = dks, dvs
-
-    def start(self, step: Step):
-        return self.dks[step.kv_rank], self.dvs[step.kv_rank]
-
-    def finish(self, step: Step) -> None:
-        pass
 
 
 @dataclass
@@ -76,7 +57,7 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
         o_acc = torch.empty(qs[r].shape, dtype=acc, device=dev)
         lse = torch.empty((qs[r].shape[1 - sd], h, 2 * chunk), dtype=acc, device=dev)
         out = torch.empty_like(qs[r])
-        run_forward(plans[r], fmt.to_bhsd(qs[r]), _IndexedKV(bhsd(ks), bhsd(vs)), sink, biases[r], opts,
+        run_forward(plans[r], fmt.to_bhsd(qs[r]), LocalKV(bhsd(ks), bhsd(vs)), sink, biases[r], opts,
                     fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out))
         outs.append(out)
         lses.append(lse)
@@ -84,11 +65,11 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
     dqs = [torch.zeros(x.shape, dtype=acc, device=dev) for x in qs]
     dks = [torch.zeros(x.shape, dtype=acc, device=dev) for x in ks]
     dvs = [torch.zeros(x.shape, dtype=acc, device=dev) for x in vs]
-    dkv = _IndexedDKV(bhsd(dks), bhsd(dvs))
+    dkv = LocalDKV(bhsd(dks), bhsd(dvs))
     parts = []
     for r in ranks:
         parts.append(run_backward(plans[r], fmt.to_bhsd(qs[r]), fmt.to_bhsd(outs[r]), fmt.to_bhsd(dos[r]), lses[r],
-                                  _IndexedKV(bhsd(ks), bhsd(vs)), dkv, sink, biases[r], opts,
+                                  LocalKV(bhsd(ks), bhsd(vs)), dkv, sink, biases[r], opts,
                                   fmt.to_bhsd(dqs[r])))
     d_offset = torch.stack(parts).sum(0) if inputs.offset is not None else None
     d_bias = torch.stack([b.grad for b in biases]).sum(0) if inputs.bias is not None else None

@@ -118,13 +118,10 @@ class Probe:
                 nvtx.end_range(handles[0])
 
     @contextlib.contextmanager
-    def iteration(self, phase: str, index: int):
-        """One measured iteration of one phase: the reference mark, a range, a wall span."""
-        self.clock.reset()
-        self.spans = []
-        handles = self._open(f"{phase} iter {index} rank {self.rank}", nested=True)
-        self.ref = self.clock.mark()
-        span = Span(phase, -1, "iteration", self.ref)
+    def _timed(self, name: str, span: Span):
+        handles = self._open(name, nested=True)
+        if span.start is None:
+            span.start = self.clock.mark()
         try:
             yield
         finally:
@@ -132,16 +129,15 @@ class Probe:
             self.spans.append(span)
             self._close(handles, nested=True)
 
-    @contextlib.contextmanager
+    def iteration(self, phase: str, index: int):
+        """One measured iteration of one phase: the reference mark, a range, a wall span."""
+        self.clock.reset()
+        self.spans = []
+        self.ref = self.clock.mark()
+        return self._timed(f"{phase} iter {index} rank {self.rank}", Span(phase, -1, "iteration", self.ref))
+
     def compute(self, phase: str, step: int):
-        handles = self._open(f"{phase} step {step} compute rank {self.rank}", nested=True)
-        span = Span(phase, step, "compute", self.clock.mark())
-        try:
-            yield
-        finally:
-            span.end = self.clock.mark()
-            self.spans.append(span)
-            self._close(handles, nested=True)
+        return self._timed(f"{phase} step {step} compute rank {self.rank}", Span(phase, step, "compute", None))
 
     def comm_start(self, phase: str, step: int, kind: str, stream=None):
         handles = self._open(f"{phase} step {step} {kind} rank {self.rank}", nested=False)

@@ -33,6 +33,31 @@ class DKVSink(Protocol):
         """This step's tiles are in; pass the accumulators on."""
 
 
+class LocalKV:
+    """Every rank's K/V in memory: "communication" is indexing (the emulator, simulations)."""
+
+    def __init__(self, ks, vs):
+        self.ks, self.vs = ks, vs
+
+    def get(self, step: Step):
+        return self.ks[step.kv_rank], self.vs[step.kv_rank]
+
+
+class LocalDKV:
+    """dK/dV added straight into their owner's accumulators (one per rank, or one shared)."""
+
+    def __init__(self, dks, dvs):
+        self.dks, self.dvs = dks, dvs
+
+    def start(self, step: Step):
+        if isinstance(self.dks, torch.Tensor):
+            return self.dks, self.dvs
+        return self.dks[step.kv_rank], self.dvs[step.kv_rank]
+
+    def finish(self, step: Step) -> None:
+        pass
+
+
 class BiasTiles:
     """The slices of a full ``[1|b, 1|h, S, S]`` bias that each tile sees, and their gradient."""
 
