@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
@@ -23,7 +23,7 @@ from .kernels import get_kernel
 from .options import (Comm as CommType, DTYPES, Fault, MaskType, QKVFormat, SinkGrad, SinkStrategy,
                       SoftmaxType, make_spec)
 from .plan import chunk_ids, expected_comm, shard
-from .testing import (Error, Result, Shape, Snapshot, Tolerance, compare, dtype_name, make_inputs, reference,
+from .testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_inputs, reference,
                       shares_storage, tolerance_for)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .options import DTYPE_NAMES, AttnSpec, SoftmaxType
+from .options import AttnSpec, SoftmaxType
 from .reference import attention
 
 
@@ -208,7 +208,3 @@ class Snapshot:
 
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return DTYPE_NAMES[dtype]

@@ -1,5 +1,4 @@
 """The ring plan as data: layout, exact coverage of the attention matrix, sink placement."""
-import itertools
 
 import pytest
 import torch
