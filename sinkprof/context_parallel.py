@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from .dist import DEFAULT_TIMEOUT_S, Comm, SoloComm
 from .hierarchical import CPGroups, check_heads, hierarchical_attention, split_groups
@@ -19,8 +20,10 @@ _comms: dict = {}
 
 
 def comm_for(group=None, timeout: float = DEFAULT_TIMEOUT_S) -> Comm:
-    """One ``Comm`` per (group, timeout), so message counts and ring neighbours are computed once."""
-    key = (id(group), timeout)
+    """One ``Comm`` per (group, timeout), so message counts and ring neighbours are computed once.
+    The key is the group object itself (the world's current one for None), so a re-initialised
+    process group never meets a stale ``Comm``."""
+    key = (group if group is not None else dist.group.WORLD, timeout)
     if key not in _comms:
         _comms[key] = Comm(group, timeout)
     return _comms[key]

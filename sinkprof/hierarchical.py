@@ -31,10 +31,10 @@ _groups: dict = {}
 def split_groups(group, a2a_size: int, timeout: float) -> CPGroups:
     """Split ``group`` (default: world) into inner groups of ``a2a_size`` consecutive ranks and the
     outer rings that link equal inner ranks. Every rank must call this in the same order."""
-    key = (id(group), a2a_size, timeout)
+    base = group if group is not None else dist.group.WORLD
+    key = (base, a2a_size, timeout)
     if key in _groups:
         return _groups[key]
-    base = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(base)
     world = len(ranks)
     if a2a_size < 1 or world % a2a_size:

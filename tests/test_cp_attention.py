@@ -1,0 +1,63 @@
+"""The public `sinkprof.cp_attention` in-process, on a one-rank gloo group: it equals the reference
+and refuses bad arguments by name (multi-rank runs are in test_check.py and test_a2a.py)."""
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sinkprof
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 16, 4, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 16, 2, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 16, 2, 8, generator=g, dtype=torch.float64)
+    a = torch.randn(1, 4, 1, 1, generator=g, dtype=torch.float64) * 5
+    return q, k, v, a
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+@pytest.mark.parametrize("strategy", ["step0", "post-merge"])
+def test_one_rank_cp_attention_equals_the_reference(world, comm, strategy):
+    q, k, v, a = _inputs()
+    mine = [x.clone().requires_grad_() for x in (q, k, v, a)]
+    ref = [x.clone().requires_grad_() for x in (q, k, v, a)]
+    out = sinkprof.cp_attention(*mine, comm=comm, softmax_type="learnable", mask="causal", window=(5, 0),
+                                sink_strategy=strategy)
+    expected = sinkprof.attention(*ref, softmax_type="learnable", mask="causal", window=(5, 0))
+    assert torch.allclose(out, expected, atol=1e-13)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    expected.backward(dout)
+    for a_, b_ in zip(mine, ref):
+        assert torch.allclose(a_.grad, b_.grad, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(sink_strategy="every-tile"), "every-tile"),
+    (dict(comm="ring"), "comm='ring'"),
+    (dict(sink_grad="sum"), "sink_grad='sum'"),
+    (dict(comm="a2a+p2p"), "needs a2a_size"),
+    (dict(a2a_size=2), "only applies to comm='a2a+p2p'"),
+    (dict(bias=torch.zeros(1, 4, 8, 8, dtype=torch.float64)), "bias shape"),
+])
+def test_bad_arguments_are_refused_by_name(world, kwargs, message):
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sinkprof.cp_attention(q, k, v, **kwargs)
+
+
+def test_an_odd_local_shard_is_refused(world):
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="even number"):
+        sinkprof.cp_attention(q[:, :15], k[:, :15], v[:, :15])
