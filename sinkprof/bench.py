@@ -142,7 +142,8 @@ def _capture(device: torch.device, trace: Optional[str], rank: int):
             os.replace(tmp, Path(trace) / f"rank{rank}.json")
 
 
-def _progress(total: int, enabled: bool, label: str):
+def _progress(enabled: bool):
+    """A progress bar on rank 0 when stderr is a terminal; nothing elsewhere."""
     if not enabled:
         return contextlib.nullcontext(None)
     from rich.progress import Progress
@@ -176,12 +177,10 @@ def bench_job(info: RankInfo, groups: list, opts: BenchOptions) -> int:
     """Every rank: run each case, gather its rows to rank 0 after every iteration."""
     writer = RowWriter(opts.csv) if info.rank == 0 else None
     run_id = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
-    cases = [c for s in groups for c in expand(s)]
-    results = []
+    cases = [(settings, case) for settings in groups for case in expand(settings)]
     try:
-        for settings in groups:
-            for case in expand(settings):
-                results.append(_bench_case(case, settings, info, opts, writer, run_id))
+        for settings, case in cases:
+            _bench_case(case, settings, info, opts, writer, run_id)
     except BaseException:
         if writer is not None and writer._file is not None:
             writer._file.close()
@@ -235,12 +234,12 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
             writer.append([dict(r, run_id=run_id, timestamp=stamp, **meta) for part in gathered for r in part])
 
     probe = profiling.Probe(rank, device, use_nvtx=opts.nvtx)
-    progress = _progress(opts.iters, rank == 0, case.label)
+    progress = _progress(rank == 0)
     with progress as bar, _capture(device, opts.trace, rank):
         task = bar.add_task(case.label, total=opts.iters) if bar is not None else None
         _run_iterations(opts.phase, opts.iters, opts.warmup, probe, fwd, bwd, rows_of, on_rows, bar, task,
                         fault_at=opts.fault)
-    return case
+
 
 
 def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
