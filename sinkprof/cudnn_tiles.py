@@ -4,7 +4,9 @@ Forward: SDPA with Stats (fp32 natural-log LSE, sink included) and ``sink_token`
 carries the sink. Backward: SDPA backward driven with the given (merged) Stats and output,
 ``dSink_token`` when the tile carries the sink, ``dBias`` with a bias. Layouts go through strides
 (no copies). Graphs are cached by everything that changes them, so after warm-up a ring step
-only looks one up and executes it; one handle per device, bound to the current stream.
+only looks one up and executes it; one handle per device, bound to the current stream. A warm
+ring is therefore safe to capture in a CUDA graph (no build, no sync, no host-side data); a
+build that would happen during capture raises instead, naming the missing warm-up.
 
 Visibility: a tile's ``Band(lo, hi)`` is first normalised to ``lo <= 0 <= hi`` by slicing off the
 query rows and keys it cannot see (those rows get ``lse = -inf``, ``o = 0``), then expressed as a
@@ -126,12 +128,17 @@ class CudnnTiles:
         self._graphs: dict = {}
         self._refused: dict = {}
         self._torch = TorchTiles()
+        self._stream = None
         self.builds = 0
 
     # -- graph cache -------------------------------------------------------------------------
 
     def _bind_stream(self) -> None:
-        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(self.device).cuda_stream)
+        """Point the handle at the current stream; a no-op (no cuDNN call) when it already is."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if stream != self._stream:
+            cudnn.set_stream(handle=self.handle, stream=stream)
+            self._stream = stream
 
     def _get(self, key, build):
         g = self._graphs.get(key)
@@ -139,6 +146,11 @@ class CudnnTiles:
             return g
         if key in self._refused:
             return None
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"a cuDNN tile graph ({key[0]}) would be built during CUDA graph capture, which cuDNN "
+                "cannot do: run the attention once with the same shapes, layouts and masks before "
+                "capturing (the warm-up torch.cuda.graph and make_graphed_callables expect)")
         try:
             g = build()
         except Exception as exc:  # cuDNN refuses this shape/mask: fall back for this key, once logged
