@@ -46,6 +46,13 @@ def _version(module: str) -> Optional[str]:
         return None
 
 
+def _fused_kernels() -> str:
+    """Whether merges, folds and deltas run as one-pass Triton kernels on CUDA, or why not."""
+    from . import fused
+    reason = fused.disabled_reason()
+    return f"on (triton {fused.triton.__version__})" if reason is None else f"off: {reason}"
+
+
 def environment() -> dict:
     from .cudnn_tiles import versions
     env = {
@@ -60,6 +67,7 @@ def environment() -> dict:
         "nccl available": dist.is_nccl_available(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "nvtx": _version("nvtx"),
+        "fused sink kernels (triton)": _fused_kernels(),
         "typer": _version("typer"),
         "pandas": _version("pandas"),
     }

@@ -31,12 +31,24 @@ def _as_rows(sink: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return sink.reshape(1, -1, 1).to(dtype)
 
 
+def _fused(acc_dtype: torch.dtype, *tensors: torch.Tensor):
+    """The one-pass CUDA kernels of ``fused.py`` when they can take these tensors, else None."""
+    if not tensors[0].is_cuda:
+        return None
+    from . import fused
+    return fused if fused.usable(acc_dtype, *tensors) else None
+
+
 def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
     """In place: add a partial result over a disjoint key set into the accumulators.
 
-    The new part's weight is ``exp(lse - lse') = sigmoid(lse - lse_acc)``; six kernels in all,
-    since each launch costs host time on every ring step.
+    The new part's weight is ``exp(lse - lse') = sigmoid(lse - lse_acc)``. On CUDA this is one
+    fused kernel; the torch form below is the reference and the CPU path.
     """
+    fused = _fused(o_acc.dtype, o_acc, o)
+    if fused is not None:
+        fused.merge_(o_acc, lse_acc, o, lse)
+        return
     diff = lse.to(lse_acc.dtype) - lse_acc
     diff.nan_to_num_(nan=NEG_INF)                 # both rows empty: keep the accumulator as it is
     weight = torch.sigmoid(diff).unsqueeze(-1)
@@ -53,6 +65,10 @@ def finalize_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sin
     if sink is None:
         out.copy_(o_acc)
         return
+    fused = _fused(lse_acc.dtype, o_acc, out)
+    if fused is not None:
+        fused.fold_(out, o_acc, lse_acc, sink)
+        return
     a = _as_rows(sink, lse_acc.dtype)
     torch.mul(o_acc, torch.sigmoid(lse_acc - a).unsqueeze(-1), out=out)
     lse_acc.copy_(torch.logaddexp(lse_acc, a))
@@ -62,8 +78,11 @@ def delta(o: torch.Tensor, grad_out: torch.Tensor, dtype: torch.dtype) -> torch.
     """FlashAttention's ``D = rowsum(dO * o)`` as ``[b, h, s]``, summed in ``dtype``.
 
     The product stays in the inputs' dtype (one pass, no fp32 copies of o and dO: this is most of
-    the post-merge backward's extra cost); the sum accumulates in ``dtype``.
+    the post-merge backward's extra cost); the sum accumulates in ``dtype``. One pass on CUDA.
     """
+    fused = _fused(dtype, o, grad_out)
+    if fused is not None:
+        return fused.delta(o, grad_out)
     return (grad_out * o.to(grad_out.dtype)).sum(-1, dtype=dtype)
 
 
