@@ -256,7 +256,13 @@ def _rank_main(job: Callable, args, device: str, backend: str, timeout: float, r
 def _spawned(rank: int, world: int, port: int, job, args, device, backend, timeout, run_timeout) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.exit(_rank_main(job, args, device, backend, timeout, run_timeout))
+    code = _rank_main(job, args, device, backend, timeout, run_timeout)
+    # Leave without interpreter teardown: the rank's results are written and flushed, and a
+    # process group still referenced at teardown can abort the process from a C++ destructor
+    # (seen once as "terminate called without an active exception" after every case passed).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code or 0))
 
 
 def _supervise(procs, run_timeout: float) -> list[int]:
