@@ -110,3 +110,152 @@ def test_a_warm_ring_builds_no_graph_and_standard_masks_are_never_refused(cudnn_
     emulate_ring(x, spec, 4, SinkStrategy.STEP0, kernel=cudnn_kernel)
     assert cudnn_kernel.builds == built
     assert not {k: v for k, v in cudnn_kernel.refused().items() if k[-4] in (Band(), Band(None, 0))}
+
+
+# -- CUDA graphs: a warm ring has no host work a graph cannot hold ------------------------------
+
+def _copy_inputs_(dst, src) -> None:
+    for name in ("q", "k", "v", "offset", "grad_out"):
+        getattr(dst, name).copy_(getattr(src, name))
+
+
+@pytest.mark.parametrize("strategy", [SinkStrategy.STEP0, SinkStrategy.POST_MERGE])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+def test_a_warm_ring_replays_from_a_cuda_graph_on_new_inputs(cudnn_kernel, strategy, mask):
+    """Capture every rank's forward and backward schedule once, replay it on other inputs copied
+    into the captured buffers: the replay must match the reference of the new inputs."""
+    spec = make_spec("learnable", mask, None, "bshd")
+    shape = Shape(b=1, s=1024, h=8, g=2, d=64)
+    first, second = (make_inputs(shape, spec, seed=s) for s in (11, 12))
+    static = first.to("cuda", torch.bfloat16)
+    emulate_ring(static, spec, 4, strategy, kernel=cudnn_kernel)          # warm-up builds the graphs
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        emulate_ring(static, spec, 4, strategy, kernel=cudnn_kernel)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = emulate_ring(static, spec, 4, strategy, kernel=cudnn_kernel).result
+    _copy_inputs_(static, second.to("cuda", torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    tol = tolerance_for(torch.bfloat16, gqa=True)
+    want = reference(second.to("cuda", torch.bfloat16).to("cuda", torch.float64), spec)
+    stale = reference(first.to("cuda", torch.bfloat16).to("cuda", torch.float64), spec)
+    for name, expected in want.named().items():
+        assert compare(captured.named()[name], expected, tol).passed, name
+        assert not compare(captured.named()[name], stale.named()[name], tol).passed, name
+
+
+@pytest.fixture
+def world_of_one():
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["step0", "post-merge"])
+def test_cp_attention_forward_and_backward_replay_from_a_cuda_graph(cudnn_kernel, world_of_one, strategy):
+    """The public function, forward and backward (``torch.autograd.grad``), captured once and
+    replayed on new inputs copied into the captured buffers: the output and every gradient (the
+    sink's included) match an eager call on those inputs, and differ from the captured ones."""
+    import sinkprof
+    spec = make_spec("learnable", "causal", None, "bshd")
+    shape = Shape(b=2, s=512, h=8, g=2, d=64)
+    first, second = (make_inputs(shape, spec, seed=s).to("cuda", torch.bfloat16) for s in (5, 6))
+    static = [first.q.clone(), first.k.clone(), first.v.clone(), first.offset.clone()]
+    static_grad_out = first.grad_out.clone()
+
+    def step(tensors, grad_out):
+        # leaves made inside the step, so autograd's accumulators live on the capturing stream
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        out = sinkprof.cp_attention(*leaves, softmax_type="learnable", mask="causal", backend="cudnn",
+                                    sink_strategy=strategy)
+        return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(static, static_grad_out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(static, static_grad_out)
+    stale = [t.clone() for t in step(static, static_grad_out)]
+    for dst, src in zip(static + [static_grad_out], [second.q, second.k, second.v, second.offset, second.grad_out]):
+        dst.copy_(src)
+    graph.replay()
+    eager = step([second.q, second.k, second.v, second.offset], second.grad_out)
+    torch.cuda.synchronize()
+    tol = tolerance_for(torch.bfloat16, gqa=True)
+    for name, got, want, old in zip(("out", "dq", "dk", "dv", "d_offset"), captured, eager, stale):
+        assert compare(got, want, tol).passed, name
+        assert not compare(got, old, tol).passed, name
+    assert eager[4].abs().max() > 1e-3  # the sink gradient is really there
+
+
+def test_a_graph_build_during_capture_names_the_missing_warm_up():
+    from sinkprof.cudnn_tiles import CudnnTiles
+    from sinkprof.kernels import cudnn_unavailable_reason
+    if cudnn_unavailable_reason("cuda"):
+        pytest.skip(cudnn_unavailable_reason("cuda"))
+    cold = CudnnTiles(torch.cuda.current_device())     # its own, empty graph cache
+    q, k, v, _, sink = _tile_inputs("bshd", torch.bfloat16, 128, 128)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="before capturing"):
+        with torch.cuda.graph(graph):
+            cold.forward(q, k, v, Band(None, 0), sink, None, 0.125)
+    assert cold.builds == 0
+
+
+# -- the fused (Triton) sink kernels against the torch formulas ----------------------------------
+
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_fused_sink_kernels_match_the_torch_formulas_in_fp64(d, layout):
+    from sinkprof import fused
+    from sinkprof import sink as sk
+    if fused.disabled_reason():
+        pytest.skip(fused.disabled_reason())
+    gen = torch.Generator().manual_seed(d)
+    b, h, s = 2, 4, 300
+
+    def rows(dtype):  # a [b, h, s, d] view of a bshd or sbhd buffer
+        x = torch.randn(b, s, h, d, generator=gen) if layout == "bshd" else torch.randn(s, b, h, d, generator=gen)
+        x = x.to("cuda", dtype)
+        return x.permute(0, 2, 1, 3) if layout == "bshd" else x.permute(1, 2, 0, 3)
+    o_acc, o, out = rows(torch.float32), rows(torch.bfloat16), rows(torch.bfloat16)
+    lse_acc = (torch.randn(b, h, s, generator=gen) * 3).cuda()
+    lse = (torch.randn(b, h, s, generator=gen) * 3).cuda()
+    lse_acc[..., :10] = float("-inf")            # rows 0-4: only the new part; 5-9: both empty
+    lse[..., 5:15] = float("-inf")               # rows 10-14: only the accumulator
+    o_acc[..., :10, :] = 0
+    o[..., 5:15, :] = 0
+    sink = (torch.randn(1, h, 1, 1, generator=gen) * 5).cuda()
+    assert sk._fused(torch.float32, o_acc, o) is not None   # this test runs the fused kernels
+
+    def cpu64(x):
+        return x.detach().to("cpu", torch.float64)
+    ref_acc, ref_lse = cpu64(o_acc), cpu64(lse_acc)
+    sk.merge_(ref_acc, ref_lse, cpu64(o), cpu64(lse))
+    sk.merge_(o_acc, lse_acc, o, lse)
+    torch.testing.assert_close(cpu64(o_acc), ref_acc, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu64(lse_acc), ref_lse, atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(lse_acc[..., 5:10]).all() and torch.isfinite(lse_acc[..., 10:]).all()
+
+    plain = torch.empty_like(out)
+    sk.finalize_(plain, o_acc, lse_acc, None)                 # no sink: a cast, lse untouched
+    assert torch.equal(plain, o_acc.to(torch.bfloat16))
+    torch.testing.assert_close(cpu64(lse_acc), ref_lse, atol=1e-5, rtol=1e-5)
+
+    ref_out = torch.empty_like(ref_acc)
+    sk.finalize_(ref_out, ref_acc, ref_lse, cpu64(sink))
+    sk.finalize_(out, o_acc, lse_acc, sink)
+    torch.testing.assert_close(cpu64(out), ref_out, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(cpu64(lse_acc), ref_lse, atol=1e-5, rtol=1e-5)   # empty rows end at a
+
+    ref_delta = sk.delta(cpu64(out), cpu64(o), torch.float64)
+    torch.testing.assert_close(cpu64(sk.delta(out, o, torch.float32)), ref_delta, atol=1e-3, rtol=1e-3)
