@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything this project runs on the one-H200 machine, in one call; logs and results under $OUT.
-# Usage (device tool, carrying .whl): bash scripts/gpu_session.sh [tests] [check] [bench] (default: all)
+# Usage (device tool, carrying .whl): bash scripts/gpu_session.sh [tests] [check] [kernels] [bench] (default: all)
 # Everything lands in one archive, $OUT/results.tgz (the device tool returns at most 8 files).
 set -u
-what=" ${*:-tests check bench} "
+what=" ${*:-tests check kernels bench} "
 SITE=/tmp/sinkprof-site
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || exit 1
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -34,8 +34,10 @@ if [[ $what == *" check "* ]]; then
       --dtype bf16 --sink-strategy all --sink-grad all --b 2 --s 2048 --h 8 --g 4 --d 64 \
       --format json --output "$OUT/check_cuda_cp4.json"
 fi
+if [[ $what == *" kernels "* ]]; then
+  run kernel_bench 400 python3 scripts/bench_kernels.py --out "$OUT/kernel_bench.json"
+fi
 if [[ $what == *" bench "* ]]; then
-  run kernel_bench 200 python3 scripts/bench_kernels.py --out "$OUT/kernel_bench.json"
   run bench_te_cp2 150 $SP bench --profile te-sink --nproc 2 --warmup 2 --iters 5 --csv "$OUT/bench_te_cp2.csv" \
       --trace "$OUT/trace"
   run bench_te_sim 120 $SP bench --profile te-sink --simulate 2,4,8 --warmup 2 --iters 5 --csv "$OUT/bench_te_sim.csv"
