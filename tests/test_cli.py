@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from sinkprof import __version__
@@ -72,3 +73,19 @@ def test_emulate_in_a_real_subprocess(cli):
     res = cli("emulate", "--cp", "5")
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU machine's report")
+def test_doctor_on_the_cpu_says_why_cudnn_and_the_fused_kernels_cannot_run(cli):
+    res = cli("doctor", "--format", "json", env={"SINKPROF_FUSED": "0"})
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    env = doc["environment"]
+    assert env["torch"] == torch.__version__ and env["device"] == "cpu"
+    assert env["fused sink kernels (triton)"] == "off: SINKPROF_FUSED=0"
+    cells = doc["capabilities"]
+    cudnn = [c for c in cells if c["backend"] == "cudnn"]
+    assert cudnn and not any(c["ok"] for c in cudnn)
+    assert all("CUDA device" in c["reason"] for c in cudnn)
+    torch_cells = [c for c in cells if c["backend"] == "torch" and c["dtype"] in ("fp64", "fp32")]
+    assert torch_cells and all(c["ok"] for c in torch_cells)
