@@ -192,7 +192,7 @@ def ring_bench(kernel, cp, b, h, g, s, d, causal: bool) -> list:
             host[name]["graphed"] = host_us(graph.replay) / (2 * steps)
             del graph
             fns[name + " fwd"], fns[name + " bwd"] = fwd, bwd
-        timed = interleaved_ms(fns, calls=2, rounds=15)
+        timed = interleaved_ms(fns, calls=2, rounds=25)
         for softmax, strategy in RUNS:
             name = f"{softmax} {strategy.value}"
             row = dict(cp=cp, causal=causal, softmax=softmax, strategy=strategy.value, rank=rank, flops=flops,

@@ -1,4 +1,4 @@
-"""Fused CUDA kernels (Triton) for the three passes of ``sink.py`` that touch every element of o.
+"""Fused CUDA kernels (Triton) for the passes of ``sink.py`` that touch every element of o.
 
 Why: in eager torch a merge is seven launches and the multiply by a per-row weight broadcast over
 ``d`` does not vectorise; on the H200 that made the post-merge fold cost 5% of a ring's forward
@@ -119,8 +119,8 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile)
 
     @triton.jit
-    def _delta_kernel(d_ptr, o_ptr, do_ptr, R, H, S, D, o_sb, o_sh, o_ss, do_sb, do_sh, do_ss,
-                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _sink_grad_kernel(g_ptr, o_ptr, do_ptr, l_ptr, a_ptr, R, H, S, D, o_sb, o_sh, o_ss,
+                          do_sb, do_sh, do_ss, l_sb, l_sh, l_ss, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         live = rows < R
         cols = tl.arange(0, BLOCK_D)
@@ -129,7 +129,9 @@ if triton is not None:
                     mask=tile, other=0.0).to(tl.float32)
         do = tl.load(do_ptr + _row_offsets(rows, H, S, do_sb, do_sh, do_ss)[:, None] + cols[None, :],
                      mask=tile, other=0.0).to(tl.float32)
-        tl.store(d_ptr + rows, tl.sum(o * do, axis=1), mask=live)
+        lse = tl.load(l_ptr + _row_offsets(rows, H, S, l_sb, l_sh, l_ss), mask=live, other=0.0)
+        a = tl.load(a_ptr + (rows // S) % H, mask=live, other=0.0)
+        tl.store(g_ptr + rows, -tl.exp(a - lse) * tl.sum(o * do, axis=1), mask=live)
 
 
 def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
@@ -153,11 +155,14 @@ def fold_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: O
                                           num_warps=NUM_WARPS)
 
 
-def delta(o: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    """``sink.delta`` in one pass, fp32 ``[b, h, s]``."""
+def sink_grad_rows(o: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Each row's term of ``sink.sink_grad``, ``-exp(a_h - lse') * rowsum(dO * o')``, as fp32
+    ``[b, h, s]`` in one pass (sum over b and s for the gradient)."""
     b, h, s, d = o.shape
-    out = torch.empty(b, h, s, dtype=torch.float32, device=o.device)
+    rows = torch.empty(b, h, s, dtype=torch.float32, device=o.device)
+    a = sink.reshape(-1).to(torch.float32).contiguous()
     block = _block_rows(d)
-    _delta_kernel[_grid(b * h * s, block)](out, o, grad_out, b * h * s, h, s, d, *_rows(o), *_rows(grad_out),
-                                           BLOCK_R=block, BLOCK_D=triton.next_power_of_2(d), num_warps=NUM_WARPS)
-    return out
+    _sink_grad_kernel[_grid(b * h * s, block)](rows, o, grad_out, lse, a, b * h * s, h, s, d, *_rows(o),
+                                               *_rows(grad_out), *_rows(lse), BLOCK_R=block,
+                                               BLOCK_D=triton.next_power_of_2(d), num_warps=NUM_WARPS)
+    return rows

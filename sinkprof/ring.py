@@ -122,14 +122,15 @@ def run_backward(plan: RankPlan, q: torch.Tensor, out: torch.Tensor, grad_out: t
                  opts: CPOptions, dq_acc: torch.Tensor) -> Optional[torch.Tensor]:
     """Recompute every tile with the final ``lse`` and ``out``; return this rank's rows' sink gradient."""
     strategy = effective_strategy(opts)
-    d_sink = torch.zeros_like(sink) if sink is not None else None
+    from_tiles = sink is not None and strategy is not SinkStrategy.POST_MERGE
+    d_sink = torch.zeros_like(sink) if from_tiles else None
     for step in plan.backward_steps:
         k, v = kv.get(step)
         dk, dv = dkv.start(step)
         with profiling.active.compute("bwd", step.index):
             _backward_tiles(step, q, out, grad_out, lse, k, v, dk, dv, sink, bias, opts, strategy, dq_acc, d_sink)
         dkv.finish(step)
-    if sink is not None and strategy is SinkStrategy.POST_MERGE:
+    if sink is not None and not from_tiles:
         d_sink = sink_grad(out, grad_out, lse, sink)
     return d_sink
 

@@ -78,11 +78,8 @@ def delta(o: torch.Tensor, grad_out: torch.Tensor, dtype: torch.dtype) -> torch.
     """FlashAttention's ``D = rowsum(dO * o)`` as ``[b, h, s]``, summed in ``dtype``.
 
     The product stays in the inputs' dtype (one pass, no fp32 copies of o and dO: this is most of
-    the post-merge backward's extra cost); the sum accumulates in ``dtype``. One pass on CUDA.
+    the post-merge backward's extra cost); the sum accumulates in ``dtype``.
     """
-    fused = _fused(dtype, o, grad_out)
-    if fused is not None:
-        return fused.delta(o, grad_out)
     return (grad_out * o.to(grad_out.dtype)).sum(-1, dtype=dtype)
 
 
@@ -94,6 +91,9 @@ def sink_grad(o: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
     query heads, so under GQA each sink still sums only its own head's rows.
     """
     dtype = lse.dtype
+    fused = _fused(dtype, o, grad_out)
+    if fused is not None:  # one pass for the row terms, one sum
+        return fused.sink_grad_rows(o, grad_out, lse, sink).sum(dim=(0, 2)).reshape(1, -1, 1, 1).to(sink.dtype)
     weight = torch.exp(_as_rows(sink, dtype) - lse)
     grad = -(weight * delta(o, grad_out, dtype)).sum(dim=(0, 2))
     return grad.reshape(1, -1, 1, 1).to(sink.dtype)

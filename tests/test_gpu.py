@@ -257,5 +257,9 @@ def test_fused_sink_kernels_match_the_torch_formulas_in_fp64(d, layout):
     torch.testing.assert_close(cpu64(out), ref_out, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(cpu64(lse_acc), ref_lse, atol=1e-5, rtol=1e-5)   # empty rows end at a
 
-    ref_delta = sk.delta(cpu64(out), cpu64(o), torch.float64)
-    torch.testing.assert_close(cpu64(sk.delta(out, o, torch.float32)), ref_delta, atol=1e-3, rtol=1e-3)
+    # the sink gradient of the rows, from o', dO and lse' (o plays dO here)
+    ref_grad = sk.sink_grad(cpu64(out), cpu64(o), cpu64(lse_acc), cpu64(sink))
+    got = sk.sink_grad(out, o, lse_acc, sink)
+    assert got.shape == (1, h, 1, 1) and got.dtype == torch.float32
+    torch.testing.assert_close(cpu64(got), ref_grad, atol=1e-3, rtol=1e-4)
+    assert ref_grad.abs().max() > 1.0
