@@ -138,7 +138,7 @@ def tile_bench(kernel, b, h, s, d, causal: bool) -> dict:
                                                                               retain_graph=True))
     out = {}
     for name, r in {**fwd, **bwd}.items():
-        out[name] = dict(r, tflops=flops * (2.5 if name.endswith("bwd") else 1.0) / r["ms"] / 1e9)
+        out[name] = dict(r, tflops=flops * (2.5 if " bwd" in name else 1.0) / r["ms"] / 1e9)
     return out
 
 

@@ -36,6 +36,7 @@ if [[ $what == *" check "* ]]; then
 fi
 if [[ $what == *" kernels "* ]]; then
   run kernel_bench 400 python3 scripts/bench_kernels.py --out "$OUT/kernel_bench.json"
+  run launch_cost 60 python3 scripts/launch_cost.py
 fi
 if [[ $what == *" bench "* ]]; then
   run bench_te_cp2 150 $SP bench --profile te-sink --nproc 2 --warmup 2 --iters 5 --csv "$OUT/bench_te_cp2.csv" \
