@@ -37,7 +37,7 @@ PHASES = ("fwd", "bwd", "fwdbwd")
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
 COLUMNS = ["run_id", "timestamp", "rank", "iteration", "phase", "step", "kind", "start_ms", "end_ms", "dur_ms",
            "overlap_ms", "exposed_ms", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h",
-           "g", "d", "cp", "a2a_size", "backend", "simulated", "flops", "device_name", "torch", "cudnn", "nccl",
+           "g", "d", "cp", "a2a_size", "backend", "merges", "simulated", "flops", "device_name", "torch", "cudnn", "nccl",
            "sinkprof", "git_sha"]
 
 
@@ -71,6 +71,14 @@ def _git_sha() -> str:
         return "unknown"
 
 
+def _merges(device: torch.device) -> str:
+    """What runs the merges, folds and sink gradient: the fused Triton kernels or torch ops."""
+    if device.type != "cuda":
+        return "torch"
+    from . import fused
+    return "triton" if fused.disabled_reason() is None else "torch"
+
+
 def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simulated: bool, phase: str) -> dict:
     from .cudnn_tiles import versions
     return {
@@ -79,7 +87,8 @@ def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simul
         "mask": case.mask.value, "window": "" if case.window is None else f"{case.window[0]},{case.window[1]}",
         "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
         "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm.value == "a2a+p2p" else "",
-        "backend": backend_name, "simulated": simulated, "flops": useful_flops(case, phase),
+        "backend": backend_name, "merges": _merges(device), "simulated": simulated,
+        "flops": useful_flops(case, phase),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "cudnn": versions()["backend"] or "",
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "",

@@ -36,6 +36,7 @@ def test_bench_csv_schema_rows_and_consistency(cli, tmp_path):
     assert list(df.columns) == COLUMNS
     assert set(df["rank"]) == {0, 1} and set(df["iteration"]) == {0, 1, 2}
     assert df["run_id"].nunique() == 1 and (df["cp"] == 2).all()
+    assert (df["backend"] == "torch").all() and (df["merges"] == "torch").all()   # CPU: no fused kernels
     per = df.groupby(["rank", "iteration", "phase", "step", "kind"]).size()
     assert (per == 1).all()  # one row per (rank, iteration, phase, step, kind)
     kinds = {(p, s, k) for (_, _, p, s, k) in per.index}
