@@ -11,28 +11,19 @@ holding 20 tiny kernels.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_kernels import host_us  # noqa: E402  (this script's folder is on sys.path)
 from sinkprof import fused, sink  # noqa: E402
 from sinkprof.kernels import get_kernel  # noqa: E402
 from sinkprof.options import Band  # noqa: E402
 
 
-def host_us(fn, calls: int = 500) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return us
+CALLS = 200   # back-to-back calls per figure
 
 
 def main() -> None:
@@ -62,14 +53,14 @@ def main() -> None:
         finally:
             fused._DISABLED = saved
     rows = {
-        "tiny torch kernel (x.add_(1))": host_us(lambda: tiny.add_(1)),
-        "cuDNN tile forward, cached graph (CudnnTiles.forward)": host_us(lambda: kernel.forward(q, q, q, Band(), None, None, 0.1)),
-        "cuDNN frontend execute alone": host_us(lambda: g.graph.execute(pack, g.workspace, handle=kernel.handle)),
-        "torch merge (sink.merge_ without fused kernels)": host_us(torch_merge),
-        "CUDA graph replay of 20 tiny kernels": host_us(graph.replay),
+        "tiny torch kernel (x.add_(1))": host_us(lambda: tiny.add_(1), CALLS),
+        "cuDNN tile forward, cached graph (CudnnTiles.forward)": host_us(lambda: kernel.forward(q, q, q, Band(), None, None, 0.1), CALLS),
+        "cuDNN frontend execute alone": host_us(lambda: g.graph.execute(pack, g.workspace, handle=kernel.handle), CALLS),
+        "torch merge (sink.merge_ without fused kernels)": host_us(torch_merge, CALLS),
+        "CUDA graph replay of 20 tiny kernels": host_us(graph.replay, CALLS),
     }
     if fused.disabled_reason() is None:
-        rows["fused Triton merge (sink.merge_)"] = host_us(lambda: sink.merge_(o_acc, lse_acc, q, lse))
+        rows["fused Triton merge (sink.merge_)"] = host_us(lambda: sink.merge_(o_acc, lse_acc, q, lse), CALLS)
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, fused kernels: "
           f"{fused.disabled_reason() or 'on'}")
     for name, us in rows.items():
