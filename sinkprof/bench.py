@@ -80,7 +80,7 @@ def _merges(device: torch.device) -> str:
 
 
 def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simulated: bool, phase: str) -> dict:
-    from .cudnn_tiles import versions
+    from .kernels.cudnn import versions
     return {
         "comm": case.comm.value, "softmax": case.softmax.value,
         "sink_strategy": case.sink_strategy.value if case.softmax.has_sink else "",

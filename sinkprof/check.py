@@ -237,7 +237,7 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, fault: Optiona
             errors["comm"] = Error(float("nan"), float("inf"), False)
     refused = {k: v for k, v in getattr(kernel, "refused", dict)().items() if k not in refused_before}
     if refused:
-        notes.append(f"rank {rank}: cuDNN refused {len(refused)} tile graph(s), the torch tiles ran them: "
+        notes.append(f"rank {rank}: {kernel.name} could not run {len(refused)} tile kind(s), a fallback ran them: "
                      + "; ".join(sorted(set(refused.values())))[:500])
     aliased = [n for n, t in got.named().items() if any(shares_storage(t, r) for r in ref.named().values())]
     changed = snapshot.changed(ref)

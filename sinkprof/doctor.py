@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .kernels import BackendUnavailable, TorchTiles, get_kernel
-from .options import DTYPES, Band, Backend, Comm, QKVFormat, SoftmaxType
+from .options import DTYPE_NAMES, DTYPES, Band, Backend, Comm, QKVFormat, SoftmaxType
 from .testing import tolerance_for
 
 
@@ -54,7 +54,8 @@ def _fused_kernels() -> str:
 
 
 def environment() -> dict:
-    from .cudnn_tiles import versions
+    from .kernels.cudnn import versions
+    from .kernels.fa4 import version as fa4_version
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -62,6 +63,7 @@ def environment() -> dict:
         "cudnn (torch)": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "cudnn frontend": versions()["frontend"],
         "cudnn backend (frontend)": versions()["backend"],
+        "flash-attn-4": fa4_version(),
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
         "gloo": dist.is_gloo_available(),
         "nccl available": dist.is_nccl_available(),
@@ -81,8 +83,8 @@ def _probe_kernel(backend: Backend, softmax: SoftmaxType, dtype: torch.dtype, la
         kernel = get_kernel(backend, device)
     except BackendUnavailable as exc:
         return str(exc)
-    if backend is Backend.CUDNN and dtype not in (torch.bfloat16, torch.float16):
-        return f"cuDNN SDPA takes bf16/fp16, not {dtype}; the cudnn backend falls back to torch tiles"
+    if backend is not Backend.TORCH and dtype not in (torch.bfloat16, torch.float16):
+        return f"{backend.value} takes bf16/fp16, not {DTYPE_NAMES[dtype]}; the {backend.value} backend runs torch tiles for it"
     gen = torch.Generator().manual_seed(0)
     b, s, h, g, d = 2, 128, 4, 2, 64
     shape = (b, s) if layout is QKVFormat.BSHD else (s, b)
@@ -106,7 +108,7 @@ def _probe_kernel(backend: Backend, softmax: SoftmaxType, dtype: torch.dtype, la
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     refused = getattr(kernel, "refused", lambda: {})()
     if refused:
-        return "cuDNN refused the graph: " + "; ".join(refused.values())
+        return f"{backend.value} refused the tile: " + "; ".join(refused.values())
     tol = tolerance_for(dtype, gqa=True)
     pairs = [("out", o, ref_o), ("dq", grads.dq, ref_g.dq), ("dk", grads.dk, ref_g.dk), ("dv", grads.dv, ref_g.dv)]
     if sink is not None:
@@ -130,7 +132,7 @@ def diagnose(device: Optional[str] = None) -> Report:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     report = Report(environment() | {"device": str(dev)})
     cache: dict = {}
-    for backend in (Backend.TORCH, Backend.CUDNN):
+    for backend in (Backend.TORCH, Backend.CUDNN, Backend.FA4):
         for softmax in SoftmaxType:
             for dname, dtype in DTYPES.items():
                 for layout in QKVFormat:

@@ -86,6 +86,7 @@ class Backend(_Choice):
     AUTO = "auto"
     TORCH = "torch"
     CUDNN = "cudnn"
+    FA4 = "fa4"
 
 
 DTYPES = {

@@ -1,5 +1,6 @@
-"""GPU tests (marked ``gpu``; skipped without CUDA): cuDNN tiles against the torch tiles and the
-reference, the ring schedule on cuDNN with both sink strategies, and the graph cache."""
+"""GPU tests (marked ``gpu``; skipped without CUDA): the cuDNN and FA4 tiles against the torch tiles
+and the reference, the ring schedule on both with both sink strategies, CUDA-graph capture, and the
+cuDNN graph cache."""
 import pytest
 import torch
 
@@ -12,13 +13,23 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(scope="module")
-def cudnn_kernel():
-    from sinkprof.kernels import cudnn_unavailable_reason
-    reason = cudnn_unavailable_reason("cuda")
+def _kernel_or_skip(backend: str):
+    from sinkprof.kernels import unavailable_reason
+    reason = unavailable_reason(backend, "cuda")
     if reason:
         pytest.skip(reason)
-    return get_kernel("cudnn", "cuda")
+    return get_kernel(backend, "cuda")
+
+
+@pytest.fixture(scope="module")
+def cudnn_kernel():
+    return _kernel_or_skip("cudnn")
+
+
+@pytest.fixture(scope="module", params=["cudnn", "fa4"])
+def gpu_kernel(request):
+    """Each GPU tile backend in turn."""
+    return _kernel_or_skip(request.param)
 
 
 def _tile_inputs(layout, dtype, n_q, n_kv, h=8, g=2, d=64, seed=0):
@@ -39,13 +50,13 @@ BANDS = [Band(), Band(None, 0), Band(-64, 0), Band(-32, 16), Band(None, -8), Ban
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("layout", ["bshd", "sbhd"])
 @pytest.mark.parametrize("n_q,n_kv", [(256, 256), (256, 128)])
-def test_cudnn_tile_matches_the_torch_tile(cudnn_kernel, band, with_sink, dtype, layout, n_q, n_kv):
+def test_gpu_tile_matches_the_torch_tile(gpu_kernel, band, with_sink, dtype, layout, n_q, n_kv):
     q, k, v, do, sink = _tile_inputs(layout, dtype, n_q, n_kv)
     sink = sink if with_sink else None
     scale = 64 ** -0.5
     ref = TorchTiles()
     o_ref, lse_ref = ref.forward(*(x.double() for x in (q, k, v)), band, None if sink is None else sink.double(), None, scale)
-    o, lse = cudnn_kernel.forward(q, k, v, band, sink, None, scale)
+    o, lse = gpu_kernel.forward(q, k, v, band, sink, None, scale)
     tol = tolerance_for(dtype, gqa=True)
     assert compare(o, o_ref, tol).passed
     finite = torch.isfinite(lse_ref)
@@ -54,7 +65,7 @@ def test_cudnn_tile_matches_the_torch_tile(cudnn_kernel, band, with_sink, dtype,
     # backward driven with the given (here: the tile's own) stats, as a ring drives it with merged ones
     g_ref = ref.backward(*(x.double() for x in (q, k, v)), o_ref, do.double(), lse_ref, band,
                          None if sink is None else sink.double(), None, scale)
-    g = cudnn_kernel.backward(q, k, v, o, do, lse, band, sink, None, scale)
+    g = gpu_kernel.backward(q, k, v, o, do, lse, band, sink, None, scale)
     for name in ("dq", "dk", "dv", "d_sink"):
         got, want = getattr(g, name), getattr(g_ref, name)
         if want is None:
@@ -64,26 +75,28 @@ def test_cudnn_tile_matches_the_torch_tile(cudnn_kernel, band, with_sink, dtype,
         assert err.passed, (name, err)
 
 
-def test_cudnn_tile_with_bias_matches_the_torch_tile(cudnn_kernel):
+def test_gpu_tile_with_bias_matches_the_torch_tile(gpu_kernel):
     q, k, v, do, sink = _tile_inputs("bshd", torch.bfloat16, 128, 128, h=4, g=4)
     bias = torch.randn(1, 4, 128, 128, device="cuda", dtype=torch.bfloat16)
     ref = TorchTiles()
     o_ref, lse_ref = ref.forward(q.double(), k.double(), v.double(), Band(None, 0), sink.double(), bias.double(), 0.125)
-    o, lse = cudnn_kernel.forward(q, k, v, Band(None, 0), sink, bias, 0.125)
-    g = cudnn_kernel.backward(q, k, v, o, do, lse, Band(None, 0), sink, bias, 0.125)
+    o, lse = gpu_kernel.forward(q, k, v, Band(None, 0), sink, bias, 0.125)
+    g = gpu_kernel.backward(q, k, v, o, do, lse, Band(None, 0), sink, bias, 0.125)
     g_ref = ref.backward(q.double(), k.double(), v.double(), o_ref, do.double(), lse_ref, Band(None, 0),
                          sink.double(), bias.double(), 0.125)
     tol = tolerance_for(torch.bfloat16)
     assert compare(o, o_ref, tol).passed
     for name in ("dq", "dk", "dv", "d_sink", "d_bias"):
         assert compare(getattr(g, name), getattr(g_ref, name), tol).passed, name
+    if gpu_kernel.name == "fa4":  # FA4 has no bias input: the tile ran elsewhere, and says so
+        assert any("no bias input" in why for why in gpu_kernel.refused().values())
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("mask,window", [("causal", None), ("no_mask", None), ("causal", (128, 0))])
 @pytest.mark.parametrize("softmax_type", ["vanilla", "off-by-one", "learnable"])
-def test_ring_schedule_on_cudnn_matches_the_reference_with_both_strategies(cudnn_kernel, cp, mask, window,
-                                                                        softmax_type):
+def test_ring_schedule_on_gpu_tiles_matches_the_reference_with_both_strategies(gpu_kernel, cp, mask, window,
+                                                                            softmax_type):
     spec = make_spec(softmax_type, mask, window, "bshd")
     shape = Shape(b=2, s=1024, h=8, g=2, d=64)
     host = make_inputs(shape, spec, seed=cp)
@@ -92,7 +105,7 @@ def test_ring_schedule_on_cudnn_matches_the_reference_with_both_strategies(cudnn
     tol = tolerance_for(torch.bfloat16, gqa=True)
     results = {}
     for strategy in (SinkStrategy.STEP0, SinkStrategy.POST_MERGE):
-        got = emulate_ring(x, spec, cp, strategy, kernel=cudnn_kernel).result
+        got = emulate_ring(x, spec, cp, strategy, kernel=gpu_kernel).result
         for name, want in ref.named().items():
             err = compare(got.named()[name], want, tol)
             assert err.passed, (strategy, name, err)
@@ -121,22 +134,22 @@ def _copy_inputs_(dst, src) -> None:
 
 @pytest.mark.parametrize("strategy", [SinkStrategy.STEP0, SinkStrategy.POST_MERGE])
 @pytest.mark.parametrize("mask", ["causal", "no_mask"])
-def test_a_warm_ring_replays_from_a_cuda_graph_on_new_inputs(cudnn_kernel, strategy, mask):
+def test_a_warm_ring_replays_from_a_cuda_graph_on_new_inputs(gpu_kernel, strategy, mask):
     """Capture every rank's forward and backward schedule once, replay it on other inputs copied
     into the captured buffers: the replay must match the reference of the new inputs."""
     spec = make_spec("learnable", mask, None, "bshd")
     shape = Shape(b=1, s=1024, h=8, g=2, d=64)
     first, second = (make_inputs(shape, spec, seed=s) for s in (11, 12))
     static = first.to("cuda", torch.bfloat16)
-    emulate_ring(static, spec, 4, strategy, kernel=cudnn_kernel)          # warm-up builds the graphs
+    emulate_ring(static, spec, 4, strategy, kernel=gpu_kernel)          # warm-up builds/compiles the kernels
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        emulate_ring(static, spec, 4, strategy, kernel=cudnn_kernel)
+        emulate_ring(static, spec, 4, strategy, kernel=gpu_kernel)
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
-        captured = emulate_ring(static, spec, 4, strategy, kernel=cudnn_kernel).result
+        captured = emulate_ring(static, spec, 4, strategy, kernel=gpu_kernel).result
     _copy_inputs_(static, second.to("cuda", torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
@@ -157,7 +170,7 @@ def world_of_one():
 
 
 @pytest.mark.parametrize("strategy", ["step0", "post-merge"])
-def test_cp_attention_forward_and_backward_replay_from_a_cuda_graph(cudnn_kernel, world_of_one, strategy):
+def test_cp_attention_forward_and_backward_replay_from_a_cuda_graph(gpu_kernel, world_of_one, strategy):
     """The public function, forward and backward (``torch.autograd.grad``), captured once and
     replayed on new inputs copied into the captured buffers: the output and every gradient (the
     sink's included) match an eager call on those inputs, and differ from the captured ones."""
@@ -171,7 +184,7 @@ def test_cp_attention_forward_and_backward_replay_from_a_cuda_graph(cudnn_kernel
     def step(tensors, grad_out):
         # leaves made inside the step, so autograd's accumulators live on the capturing stream
         leaves = [t.detach().requires_grad_() for t in tensors]
-        out = sinkprof.cp_attention(*leaves, softmax_type="learnable", mask="causal", backend="cudnn",
+        out = sinkprof.cp_attention(*leaves, softmax_type="learnable", mask="causal", backend=gpu_kernel.name,
                                     sink_strategy=strategy)
         return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
 
@@ -198,10 +211,10 @@ def test_cp_attention_forward_and_backward_replay_from_a_cuda_graph(cudnn_kernel
 
 
 def test_a_graph_build_during_capture_names_the_missing_warm_up():
-    from sinkprof.cudnn_tiles import CudnnTiles
-    from sinkprof.kernels import cudnn_unavailable_reason
-    if cudnn_unavailable_reason("cuda"):
-        pytest.skip(cudnn_unavailable_reason("cuda"))
+    from sinkprof.kernels.cudnn import CudnnTiles
+    from sinkprof.kernels import unavailable_reason
+    if unavailable_reason("cudnn", "cuda"):
+        pytest.skip(unavailable_reason("cudnn", "cuda"))
     cold = CudnnTiles(torch.cuda.current_device())     # its own, empty graph cache
     q, k, v, _, sink = _tile_inputs("bshd", torch.bfloat16, 128, 128)
     graph = torch.cuda.CUDAGraph()

@@ -92,9 +92,39 @@ def test_backend_selection():
         get_kernel("tpu", "cpu")
 
 
-def test_cudnn_backend_on_cpu_is_refused_with_a_reason():
-    with pytest.raises(BackendUnavailable, match="cudnn"):
-        get_kernel("cudnn", "cpu")
+@pytest.mark.parametrize("backend", ["cudnn", "fa4"])
+def test_gpu_backends_on_cpu_are_refused_with_a_reason(backend):
+    with pytest.raises(BackendUnavailable, match=f"backend='{backend}' cannot run: .*CUDA device"):
+        get_kernel(backend, "cpu")
+
+
+@pytest.mark.parametrize("band", [Band(None, 0), Band(None, 5), Band(-7, 0), Band(-3, 2), Band(-5, None), Band()],
+                         ids=str)
+@pytest.mark.parametrize("n_q,n_kv", [(8, 8), (8, 4), (4, 8)])
+def test_fa4_window_sees_exactly_the_trimmed_band(band, n_q, n_kv):
+    """FA4's bottom-right-aligned (causal, left, right) reproduces the trimmed band's mask."""
+    from sinkprof.kernels.base import trim_band
+    from sinkprof.kernels.fa4 import fa4_window
+    trimmed = trim_band(band, n_q, n_kv)
+    if trimmed is None:
+        return
+    rows, cols, sub = trimmed
+    nq, nk = rows.stop - rows.start, cols.stop - cols.start
+    causal, left, right = fa4_window(sub, nq, nk)
+    offset = nk - nq
+    j_minus_i = torch.arange(nk)[None, :] - torch.arange(nq)[:, None]
+    fa4 = torch.ones(nq, nk, dtype=torch.bool)
+    if causal:
+        assert left is None and right is None
+        fa4 &= j_minus_i <= offset
+    if left is not None:
+        assert left >= 0
+        fa4 &= j_minus_i >= offset - left
+    if right is not None:
+        assert right >= 0
+        fa4 &= j_minus_i <= offset + right
+    want = sub.mask(nq, nk)
+    assert torch.equal(fa4, torch.ones_like(fa4) if want is None else want)
 
 
 @pytest.mark.parametrize("band", [Band(None, -2), Band(3, None), Band(-3, 2), Band(None, 0), Band(-40, -30),
@@ -102,7 +132,7 @@ def test_cudnn_backend_on_cpu_is_refused_with_a_reason():
                          ids=str)
 @pytest.mark.parametrize("n_q,n_kv", [(8, 8), (8, 4), (4, 8)])
 def test_cudnn_trim_keeps_exactly_the_visible_part_of_a_tile(band, n_q, n_kv):
-    from sinkprof.cudnn_tiles import _trim
+    from sinkprof.kernels.base import trim_band as _trim
     full = band.mask(n_q, n_kv)
     full = torch.ones(n_q, n_kv, dtype=torch.bool) if full is None else full
     trimmed = _trim(band, n_q, n_kv)

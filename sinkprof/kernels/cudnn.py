@@ -15,15 +15,15 @@ dtype or mask that cuDNN refuses falls back to the torch tiles for that key, log
 """
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .kernels import TileGrads, TorchTiles
-from .options import Band
+from ..options import Band
+from .base import TileGrads, backward_trimmed, empty_bshd, forward_trimmed, trim_band
+from .torch_tiles import TorchTiles
 
 log = logging.getLogger("sinkprof.cudnn")
 
@@ -53,15 +53,15 @@ def _frontend_tuple() -> tuple:
     return tuple(int(x) for x in cudnn.__version__.split(".")[:2])
 
 
-def unavailable_reason(sink: bool = True) -> Optional[str]:
+def unavailable_reason(device=None) -> Optional[str]:
     """None when the cuDNN tiles can run here, else why not."""
     if cudnn is None:
         return f"nvidia-cudnn-frontend is not importable ({_IMPORT_ERROR}); pip install 'sinkprof[gpu]'"
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
-    if sink and cudnn.backend_version() < MIN_BACKEND_FOR_SINK:
+    if cudnn.backend_version() < MIN_BACKEND_FOR_SINK:
         return f"sinks need cuDNN >= 9.13, found {cudnn.backend_version()}"
-    if sink and _frontend_tuple() < MIN_FRONTEND_FOR_SINK:
+    if _frontend_tuple() < MIN_FRONTEND_FOR_SINK:
         return f"sinks need nvidia-cudnn-frontend >= 1.19, found {cudnn.__version__}"
     return None
 
@@ -78,29 +78,6 @@ class _Graph:
     graph: object
     tensors: dict          # name -> cudnn tensor
     workspace: torch.Tensor
-
-
-@functools.lru_cache(maxsize=4096)
-def _trim(band: Band, n_q: int, n_kv: int):
-    """(q rows, kv rows, band) of the part of a tile that has anything visible, with
-    ``lo <= 0 <= hi``; None if the tile sees nothing."""
-    q0 = k0 = 0
-    if band.hi is not None and band.hi < 0:           # the first -hi rows see no key
-        q0 = -band.hi
-        band = band.shifted(q0)
-    if band.lo is not None and band.lo > 0:           # the first lo keys are seen by no row
-        k0 = band.lo
-        band = band.shifted(-band.lo)
-    q1, k1 = n_q, n_kv
-    if band.lo is not None:                           # rows past n_kv - lo see no key
-        q1 = min(n_q, q0 + (n_kv - k0) - band.lo)
-    if band.hi is not None:                           # keys past the last row + hi are unseen
-        k1 = min(n_kv, k0 + (q1 - q0) + band.hi)
-    if q1 <= q0 or k1 <= k0:
-        return None
-    lo = None if band.lo is None or band.lo <= -(q1 - q0 - 1) else band.lo
-    hi = None if band.hi is None or band.hi >= k1 - k0 - 1 else band.hi
-    return slice(q0, q1), slice(k0, k1), Band(lo, hi)
 
 
 def _mask_kwargs(band: Band) -> dict:
@@ -224,24 +201,18 @@ class CudnnTiles:
 
     # -- the tile interface ------------------------------------------------------------------
 
-    @staticmethod
-    def _empty_like_rows(q: torch.Tensor, rows: int) -> torch.Tensor:
-        """A ``[b, h, rows, d]`` view with bshd strides, the layout cuDNN writes fastest."""
-        b, h, _, d = q.shape
-        return torch.empty(b, rows, h, d, dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
-
     def forward(self, q, k, v, band, sink, bias, scale):
         if q.dtype not in _IO_TYPES:
             return self._torch.forward(q, k, v, band, sink, bias, scale)
         n_q, n_kv = q.shape[2], k.shape[2]
-        trimmed = _trim(band, n_q, n_kv)
+        trimmed = trim_band(band, n_q, n_kv)
         if trimmed is None or trimmed[0] != slice(0, n_q):
-            return self._forward_trimmed(q, k, v, band, sink, bias, scale, trimmed)
+            return forward_trimmed(self, q, k, v, band, sink, bias, scale, trimmed)
         _, cols, band = trimmed
         if cols != slice(0, n_kv):
             k, v = k[:, :, cols], v[:, :, cols]
             bias = bias[:, :, :, cols] if bias is not None else None
-        o = self._empty_like_rows(q, n_q)
+        o = empty_bshd(q, n_q)
         stats = torch.empty(q.shape[0], q.shape[1], n_q, 1, dtype=torch.float32, device=q.device)
         key = ("fwd", _layout(q), _layout(k), _layout(v), band, _layout(sink), _layout(bias), scale)
         g = self._get(key, lambda: self._build_fwd(q, k, v, band, sink, bias, scale, o, stats))
@@ -255,36 +226,19 @@ class CudnnTiles:
         self._run(g, tensors)
         return o, stats.squeeze(-1)
 
-    def _forward_trimmed(self, q, k, v, band, sink, bias, scale, trimmed):
-        """Rows that see no key: run the visible part, leave ``o = 0`` and ``lse = -inf`` (or the
-        sink) elsewhere."""
-        b, h, n_q, _ = q.shape
-        o = torch.zeros_like(self._empty_like_rows(q, n_q))
-        lse = torch.full((b, h, n_q), float("-inf"), dtype=torch.float32, device=q.device)
-        if trimmed is not None:
-            rows, cols, sub = trimmed
-            o_part, lse_part = self.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], sub, None if sink is None else sink,
-                                            None if bias is None else bias[:, :, rows][:, :, :, cols], scale)
-            o[:, :, rows] = o_part
-            lse[:, :, rows] = lse_part
-        if sink is not None:  # a row with no key still has the sink: lse = a, o = 0
-            empty = torch.isneginf(lse)
-            lse = torch.where(empty, sink.reshape(1, -1, 1).to(lse.dtype).expand_as(lse), lse)
-        return o, lse
-
     def backward(self, q, k, v, o, grad_out, lse, band, sink, bias, scale):
         if q.dtype not in _IO_TYPES:
             return self._torch.backward(q, k, v, o, grad_out, lse, band, sink, bias, scale)
         n_q, n_kv = q.shape[2], k.shape[2]
-        trimmed = _trim(band, n_q, n_kv)
+        trimmed = trim_band(band, n_q, n_kv)
         if trimmed is None or trimmed != (slice(0, n_q), slice(0, n_kv), trimmed[2]):
-            return self._backward_trimmed(q, k, v, o, grad_out, lse, band, sink, bias, scale, trimmed)
+            return backward_trimmed(self, q, k, v, o, grad_out, lse, band, sink, bias, scale, trimmed)
         band = trimmed[2]
         stats = lse.unsqueeze(-1)
         if not stats.is_contiguous() and cudnn.backend_version() < PACKED_STATS_BEFORE:
             stats = stats.contiguous()  # a row slice of the merged stats; older cuDNN wants them packed
-        dq = self._empty_like_rows(q, n_q)
-        dk, dv = self._empty_like_rows(k, n_kv), self._empty_like_rows(v, n_kv)
+        dq = empty_bshd(q, n_q)
+        dk, dv = empty_bshd(k, n_kv), empty_bshd(v, n_kv)
         # zeroed, in case the kernel accumulates into them across its blocks
         d_sink = torch.zeros_like(sink) if sink is not None else None
         d_bias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None else None
@@ -300,26 +254,4 @@ class CudnnTiles:
         if bias is not None:
             tensors.update(bias=bias, d_bias=d_bias)
         self._run(g, tensors)
-        return TileGrads(dq, dk, dv, d_sink, d_bias)
-
-    def _backward_trimmed(self, q, k, v, o, grad_out, lse, band, sink, bias, scale, trimmed):
-        """Rows or keys that see nothing get zero gradients; the sink of an empty row gets
-        ``-exp(a - lse') * D`` with ``D = rowsum(dO * o') = 0``, i.e. nothing."""
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        d_sink = torch.zeros_like(sink) if sink is not None else None
-        d_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None else None
-        if trimmed is not None:
-            rows, cols, sub = trimmed
-            part = self.backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], o[:, :, rows], grad_out[:, :, rows],
-                                 lse[:, :, rows], sub, sink,
-                                 None if bias is None else bias[:, :, rows][:, :, :, cols], scale)
-            dq[:, :, rows] = part.dq.float()
-            dk[:, :, cols] = part.dk.float()
-            dv[:, :, cols] = part.dv.float()
-            if sink is not None:
-                d_sink = part.d_sink
-            if bias is not None:
-                d_bias[:, :, rows, cols] = part.d_bias.float()
         return TileGrads(dq, dk, dv, d_sink, d_bias)

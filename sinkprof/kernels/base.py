@@ -1,0 +1,110 @@
+"""Tile kernels behind one interface (DESIGN.md section 5).
+
+A tile is one rectangle of the attention matrix: ``q`` ``[b, h, n_q, d]`` against ``k``, ``v``
+``[b, g, n_kv, d]`` (strided views are fine), with visibility given by a ``Band``. The forward
+returns ``(o, lse)``; the backward takes the *given* ``lse`` and ``o`` (the final merged ones in a
+ring) so it can be driven exactly like a fused kernel driven with merged stats. A tile given a
+sink adds it to its softmax (forward) and returns its rows' sink gradient (backward).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+from ..options import Band
+
+
+@dataclass
+class TileGrads:
+    dq: torch.Tensor                  # [b, h, n_q, d], accumulator dtype
+    dk: torch.Tensor                  # [b, g, n_kv, d]
+    dv: torch.Tensor                  # [b, g, n_kv, d]
+    d_sink: Optional[torch.Tensor]    # [1, h, 1, 1] when the tile carries the sink
+    d_bias: Optional[torch.Tensor]    # the bias tile's own shape when a bias is given
+
+
+class TileKernel(Protocol):
+    name: str
+
+    def forward(self, q, k, v, band: Band, sink, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (o ``[b, h, n_q, d]`` in q's dtype, lse ``[b, h, n_q]`` fp32/fp64, sink included)."""
+
+    def backward(self, q, k, v, o, grad_out, lse, band: Band, sink, bias, scale: float) -> TileGrads:
+        """Gradients of the tile's rows, recomputed with the given ``lse`` and ``o``."""
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested tile backend cannot run here; the message says why."""
+
+
+@functools.lru_cache(maxsize=4096)
+def trim_band(band: Band, n_q: int, n_kv: int):
+    """(q rows, kv rows, band) of the part of a tile that has anything visible, with
+    ``lo <= 0 <= hi``; None if the tile sees nothing."""
+    q0 = k0 = 0
+    if band.hi is not None and band.hi < 0:           # the first -hi rows see no key
+        q0 = -band.hi
+        band = band.shifted(q0)
+    if band.lo is not None and band.lo > 0:           # the first lo keys are seen by no row
+        k0 = band.lo
+        band = band.shifted(-band.lo)
+    q1, k1 = n_q, n_kv
+    if band.lo is not None:                           # rows past n_kv - lo see no key
+        q1 = min(n_q, q0 + (n_kv - k0) - band.lo)
+    if band.hi is not None:                           # keys past the last row + hi are unseen
+        k1 = min(n_kv, k0 + (q1 - q0) + band.hi)
+    if q1 <= q0 or k1 <= k0:
+        return None
+    lo = None if band.lo is None or band.lo <= -(q1 - q0 - 1) else band.lo
+    hi = None if band.hi is None or band.hi >= k1 - k0 - 1 else band.hi
+    return slice(q0, q1), slice(k0, k1), Band(lo, hi)
+
+
+def empty_bshd(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """A ``[b, h, rows, d]`` view with bshd strides (the layout the GPU kernels write fastest)."""
+    b, h, _, d = x.shape
+    return torch.empty(b, rows, h, d, dtype=x.dtype, device=x.device).permute(0, 2, 1, 3)
+
+
+def forward_trimmed(kernel, q, k, v, band, sink, bias, scale, trimmed):
+    """A tile some of whose rows see no key: ``kernel`` runs the visible part (``trimmed``, from
+    ``trim_band``); the other rows keep ``o = 0`` and ``lse = -inf``, or the sink when there is one."""
+    b, h, n_q, _ = q.shape
+    o = torch.zeros_like(empty_bshd(q, n_q))
+    lse = torch.full((b, h, n_q), float("-inf"), dtype=torch.float32, device=q.device)
+    if trimmed is not None:
+        rows, cols, sub = trimmed
+        o_part, lse_part = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], sub, sink,
+                                          None if bias is None else bias[:, :, rows][:, :, :, cols], scale)
+        o[:, :, rows] = o_part
+        lse[:, :, rows] = lse_part
+    if sink is not None:  # a row with no key still has the sink: lse = a, o = 0
+        empty = torch.isneginf(lse)
+        lse = torch.where(empty, sink.reshape(1, -1, 1).to(lse.dtype).expand_as(lse), lse)
+    return o, lse
+
+
+def backward_trimmed(kernel, q, k, v, o, grad_out, lse, band, sink, bias, scale, trimmed) -> TileGrads:
+    """Rows or keys that see nothing get zero gradients; the sink of an empty row gets
+    ``-exp(a - lse') * D`` with ``D = rowsum(dO * o') = 0``, i.e. nothing."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    d_sink = torch.zeros_like(sink) if sink is not None else None
+    d_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None else None
+    if trimmed is not None:
+        rows, cols, sub = trimmed
+        part = kernel.backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], o[:, :, rows], grad_out[:, :, rows],
+                               lse[:, :, rows], sub, sink,
+                               None if bias is None else bias[:, :, rows][:, :, :, cols], scale)
+        dq[:, :, rows] = part.dq.float()
+        dk[:, :, cols] = part.dk.float()
+        dv[:, :, cols] = part.dv.float()
+        if sink is not None:
+            d_sink = part.d_sink
+        if bias is not None:
+            d_bias[:, :, rows, cols] = part.d_bias.float()
+    return TileGrads(dq, dk, dv, d_sink, d_bias)

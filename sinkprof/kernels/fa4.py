@@ -1,0 +1,156 @@
+"""FlashAttention-4 tile kernels (PyPI ``flash-attn-4``, CuTe DSL; ``flash_attn.cute.interface``).
+
+Forward: ``_flash_attn_fwd`` with ``learnable_sink`` (one logit per query head) when the tile
+carries the sink, writing ``o`` and the natural-log ``lse`` (sink included) into buffers given to
+it. Backward: ``_flash_attn_bwd`` driven with the given (merged) ``o`` and ``lse``, returning the
+sink gradient when given the sink. FA4 reads ``[b, s, h, d]``; the ring's ``[b, h, s, d]`` views
+are transposed back, so no layout is copied (bshd and sbhd alike).
+
+Visibility: a tile's ``Band`` is trimmed to the part that sees anything (``base.trim_band``), so
+``lo <= 0 <= hi``; FA4 aligns its masks to the bottom-right corner (``offset = n_kv - n_q``), so
+the band becomes ``window_size_left = offset - lo`` and ``window_size_right = hi - offset``, both
+non-negative after trimming, and ``causal`` when only ``hi = offset`` is bounded.
+
+FA4 has no bias input and takes bf16/fp16 only: bias tiles go to the cuDNN tiles when they can run
+here, else to the torch tiles, and the reason is kept in ``refused()`` (what ``check`` reports);
+fp32/fp64 tiles are the torch tiles' (the exact paths), as for cuDNN.
+
+FA4 compiles each kernel variant on first use (seconds); set ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``
+to keep compiled kernels on disk across processes (every rank is a process).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ..options import Band
+from .base import TileGrads, backward_trimmed, empty_bshd, forward_trimmed, trim_band
+from .torch_tiles import TorchTiles
+
+log = logging.getLogger("sinkprof.fa4")
+
+SINK_BACKWARD_MAJORS = (9, 10, 11)   # FA4's learnable-sink backward: sm90 (Hopper), sm100/sm110 (Blackwell)
+_IO_TYPES = (torch.bfloat16, torch.float16)
+
+try:  # the GPU extra is optional
+    from flash_attn.cute import interface as _fa4
+except Exception as _exc:  # pragma: no cover - depends on the machine
+    _fa4 = None
+    _IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
+else:
+    _IMPORT_ERROR = None
+
+
+def version() -> Optional[str]:
+    if _fa4 is None:
+        return None
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+    try:
+        return dist_version("flash-attn-4")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def unavailable_reason(device=None) -> Optional[str]:
+    """None when the FA4 tiles can run on ``device`` (a CUDA device), else why not."""
+    if _fa4 is None:
+        return f"flash-attn-4 is not importable ({_IMPORT_ERROR}); pip install 'sinkprof[gpu]'"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    cap = torch.cuda.get_device_capability(device)
+    if cap[0] not in SINK_BACKWARD_MAJORS:
+        return (f"FA4's learnable-sink backward needs sm90 or sm100 (Hopper, Blackwell); "
+                f"{torch.cuda.get_device_name(device)} is sm{cap[0]}{cap[1]}")
+    return None
+
+
+def fa4_window(band: Band, n_q: int, n_kv: int) -> tuple[bool, Optional[int], Optional[int]]:
+    """``(causal, window_size_left, window_size_right)`` for a trimmed band (``lo <= 0 <= hi``) of an
+    ``n_q x n_kv`` tile, in FA4's bottom-right-aligned convention."""
+    offset = n_kv - n_q
+    left = None if band.lo is None else offset - band.lo
+    right = None if band.hi is None else band.hi - offset
+    if left is None and right == 0:
+        return True, None, None
+    return False, left, right
+
+
+def _bshd(x: torch.Tensor) -> torch.Tensor:
+    """The ``[b, s, h, d]`` view of a ``[b, h, s, d]`` tensor FA4 reads (no copy)."""
+    return x.transpose(1, 2)
+
+
+class FA4Tiles:
+    """The tile kernel interface on FlashAttention-4; see the module docstring."""
+
+    name = "fa4"
+
+    def __init__(self, device_index: int):
+        self.device = torch.device("cuda", device_index)
+        self._torch = TorchTiles()
+        from . import unavailable_reason as backend_reason
+        if backend_reason("cudnn", self.device) is None:
+            from .cudnn import CudnnTiles
+            self._bias_tiles = CudnnTiles(device_index)
+        else:
+            self._bias_tiles = self._torch
+        self._refused: dict = {}
+
+    def refused(self) -> dict:
+        """What FA4 did not run, with the reason: what ``check`` notes and ``doctor`` reports."""
+        refused = dict(self._refused)
+        refused.update(getattr(self._bias_tiles, "refused", dict)())
+        return refused
+
+    def _refuse(self, key, reason: str):
+        if key not in self._refused:
+            self._refused[key] = reason
+            log.warning("fa4 cannot run a tile (%s); %s", key[0], reason)
+
+    def _bias_fallback(self, direction: str):
+        self._refuse((f"{direction} bias",), f"FA4 has no bias input: bias tiles run on {self._bias_tiles.name}")
+        return self._bias_tiles
+
+    @staticmethod
+    def _sink(sink: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if sink is None else sink.reshape(-1)      # [1, h, 1, 1] -> [h], a view
+
+    def forward(self, q, k, v, band, sink, bias, scale):
+        if q.dtype not in _IO_TYPES:
+            return self._torch.forward(q, k, v, band, sink, bias, scale)
+        if bias is not None:
+            return self._bias_fallback("fwd").forward(q, k, v, band, sink, bias, scale)
+        n_q, n_kv = q.shape[2], k.shape[2]
+        trimmed = trim_band(band, n_q, n_kv)
+        if trimmed is None or trimmed[0] != slice(0, n_q):
+            return forward_trimmed(self, q, k, v, band, sink, bias, scale, trimmed)
+        _, cols, band = trimmed
+        if cols != slice(0, n_kv):
+            k, v = k[:, :, cols], v[:, :, cols]
+        causal, left, right = fa4_window(band, n_q, k.shape[2])
+        o = empty_bshd(q, n_q)
+        lse = torch.empty(q.shape[0], q.shape[1], n_q, dtype=torch.float32, device=q.device)
+        _fa4._flash_attn_fwd(_bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, causal=causal,
+                             window_size_left=left, window_size_right=right,
+                             learnable_sink=self._sink(sink), return_lse=True, out=_bshd(o), lse=lse)
+        return o, lse
+
+    def backward(self, q, k, v, o, grad_out, lse, band, sink, bias, scale):
+        if q.dtype not in _IO_TYPES:
+            return self._torch.backward(q, k, v, o, grad_out, lse, band, sink, bias, scale)
+        if bias is not None:
+            return self._bias_fallback("bwd").backward(q, k, v, o, grad_out, lse, band, sink, bias, scale)
+        n_q, n_kv = q.shape[2], k.shape[2]
+        trimmed = trim_band(band, n_q, n_kv)
+        if trimmed is None or trimmed != (slice(0, n_q), slice(0, n_kv), trimmed[2]):
+            return backward_trimmed(self, q, k, v, o, grad_out, lse, band, sink, bias, scale, trimmed)
+        causal, left, right = fa4_window(trimmed[2], n_q, n_kv)
+        dq, dk, dv = empty_bshd(q, n_q), empty_bshd(k, n_kv), empty_bshd(v, n_kv)
+        grads = _fa4._flash_attn_bwd(_bshd(q), _bshd(k), _bshd(v), _bshd(o.to(q.dtype)), _bshd(grad_out), lse,
+                                     softmax_scale=scale, causal=causal, window_size_left=left,
+                                     window_size_right=right, dq=_bshd(dq), dk=_bshd(dk), dv=_bshd(dv),
+                                     learnable_sink=self._sink(sink))
+        d_sink = None if sink is None else grads[3].reshape(sink.shape)
+        return TileGrads(dq, dk, dv, d_sink, None)
