@@ -146,3 +146,19 @@ def test_cudnn_trim_keeps_exactly_the_visible_part_of_a_tile(band, n_q, n_kv):
     rebuilt[rows, cols] = True if part is None else part
     assert torch.equal(rebuilt, full)
     assert full[rows].any(dim=1).all()  # every kept row sees at least one key
+
+
+def test_fa4_calls_show_the_cute_dsl_only_the_program_name(monkeypatch):
+    """The CuTe DSL parses sys.argv at every compile, and argparse takes ``--h 8`` for ``--help``."""
+    import argparse
+    import sys
+    from sinkprof.kernels.fa4 import _program_name_only
+    monkeypatch.setattr(sys, "argv", ["sinkprof", "check", "--h", "8"])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("-diagnostic", nargs="?")
+    with _program_name_only():
+        assert sys.argv == ["sinkprof"]
+        parser.parse_known_args()                       # would print the help and exit on the full argv
+    assert sys.argv == ["sinkprof", "check", "--h", "8"]
+    with pytest.raises(SystemExit):
+        parser.parse_known_args()

@@ -16,11 +16,16 @@ here, else to the torch tiles, and the reason is kept in ``refused()`` (what ``c
 fp32/fp64 tiles are the torch tiles' (the exact paths), as for cuDNN.
 
 FA4 compiles each kernel variant on first use (seconds); set ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``
-to keep compiled kernels on disk across processes (every rank is a process).
+to keep compiled kernels on disk across processes (every rank is a process). The CuTe DSL reads
+the process's command line at every compile (its own ``-diagnostic`` flag, through argparse,
+which takes ``--h`` for ``--help`` and exits): FA4 is therefore called with ``sys.argv`` showing
+only the program name.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from typing import Optional
 
 import torch
@@ -75,6 +80,17 @@ def fa4_window(band: Band, n_q: int, n_kv: int) -> tuple[bool, Optional[int], Op
     if left is None and right == 0:
         return True, None, None
     return False, left, right
+
+
+@contextlib.contextmanager
+def _program_name_only():
+    """Hide the command line from the CuTe DSL's argument parsing (see the module docstring)."""
+    argv = sys.argv
+    sys.argv = argv[:1]
+    try:
+        yield
+    finally:
+        sys.argv = argv
 
 
 def _bshd(x: torch.Tensor) -> torch.Tensor:
@@ -132,9 +148,10 @@ class FA4Tiles:
         causal, left, right = fa4_window(band, n_q, k.shape[2])
         o = empty_bshd(q, n_q)
         lse = torch.empty(q.shape[0], q.shape[1], n_q, dtype=torch.float32, device=q.device)
-        _fa4._flash_attn_fwd(_bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, causal=causal,
-                             window_size_left=left, window_size_right=right,
-                             learnable_sink=self._sink(sink), return_lse=True, out=_bshd(o), lse=lse)
+        with _program_name_only():
+            _fa4._flash_attn_fwd(_bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, causal=causal,
+                                 window_size_left=left, window_size_right=right,
+                                 learnable_sink=self._sink(sink), return_lse=True, out=_bshd(o), lse=lse)
         return o, lse
 
     def backward(self, q, k, v, o, grad_out, lse, band, sink, bias, scale):
@@ -148,9 +165,10 @@ class FA4Tiles:
             return backward_trimmed(self, q, k, v, o, grad_out, lse, band, sink, bias, scale, trimmed)
         causal, left, right = fa4_window(trimmed[2], n_q, n_kv)
         dq, dk, dv = empty_bshd(q, n_q), empty_bshd(k, n_kv), empty_bshd(v, n_kv)
-        grads = _fa4._flash_attn_bwd(_bshd(q), _bshd(k), _bshd(v), _bshd(o.to(q.dtype)), _bshd(grad_out), lse,
-                                     softmax_scale=scale, causal=causal, window_size_left=left,
-                                     window_size_right=right, dq=_bshd(dq), dk=_bshd(dk), dv=_bshd(dv),
-                                     learnable_sink=self._sink(sink))
+        with _program_name_only():
+            grads = _fa4._flash_attn_bwd(_bshd(q), _bshd(k), _bshd(v), _bshd(o.to(q.dtype)), _bshd(grad_out), lse,
+                                         softmax_scale=scale, causal=causal, window_size_left=left,
+                                         window_size_right=right, dq=_bshd(dq), dk=_bshd(dk), dv=_bshd(dv),
+                                         learnable_sink=self._sink(sink))
         d_sink = None if sink is None else grads[3].reshape(sink.shape)
         return TileGrads(dq, dk, dv, d_sink, None)
