@@ -38,7 +38,7 @@ from sinkprof.kernels import get_kernel, unavailable_reason  # noqa: E402
 from sinkprof.options import Band, CPOptions, SinkStrategy, make_spec  # noqa: E402
 from sinkprof.plan import ring_plan, shard  # noqa: E402
 from sinkprof.ring import LocalDKV, LocalKV, run_backward, run_forward  # noqa: E402
-from sinkprof.sink import finalize_, sink_grad  # noqa: E402
+from sinkprof.sink import fold_, sink_grad  # noqa: E402
 
 BWD_FLOPS = 2.5     # a backward counted as 2.5 forwards
 
@@ -140,7 +140,7 @@ def tile_bench(b, h, g, s, d, band: Band, label: str) -> dict:
 
         def post_merge_fwd(kernel=kernel):  # one tile standing alone: the fold is a pass of its own
             o, lse = kernel.forward(qh, kh, vh, band, None, None, scale)
-            finalize_(o, o, lse, sink)
+            fold_(o, o, lse, sink)
 
         def post_merge_bwd(kernel=kernel, o_s=o_s, lse_s=lse_s):
             kernel.backward(qh, kh, vh, o_s, doh, lse_s, band, None, None, scale)

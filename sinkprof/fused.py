@@ -73,9 +73,9 @@ if triton is not None:
         return (bh // H) * sb + (bh % H) * sh + s * ss
 
     @triton.jit
-    def _merge_kernel(oa_ptr, la_ptr, o_ptr, l_ptr, R, H, S, D,
-                      oa_sb, oa_sh, oa_ss, la_sb, la_sh, la_ss, o_sb, o_sh, o_ss, l_sb, l_sh, l_ss,
-                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _merge_kernel(dst_ptr, oa_ptr, la_ptr, o_ptr, l_ptr, a_ptr, R, H, S, D,
+                      dst_sb, dst_sh, dst_ss, oa_sb, oa_sh, oa_ss, la_sb, la_sh, la_ss, o_sb, o_sh, o_ss,
+                      l_sb, l_sh, l_ss, HAS_SINK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         live = rows < R
         cols = tl.arange(0, BLOCK_D)
@@ -88,14 +88,20 @@ if triton is not None:
         w = 1.0 / (1.0 + tl.exp(-diff))                             # sigmoid: 0 at -inf, 1 at +inf
         top = tl.maximum(l_acc, l_new)
         gap = tl.where(top == float("-inf"), 0.0, -tl.abs(l_acc - l_new))
-        tl.store(la, top + tl.log(1.0 + tl.exp(gap)), mask=live)     # logaddexp, -inf when both are
-        oa = oa_ptr + _row_offsets(rows, H, S, oa_sb, oa_sh, oa_ss)[:, None] + cols[None, :]
-        acc = tl.load(oa, mask=tile, other=0.0)
+        lse = top + tl.log(1.0 + tl.exp(gap))                        # logaddexp, -inf when both are
+        acc = tl.load(oa_ptr + _row_offsets(rows, H, S, oa_sb, oa_sh, oa_ss)[:, None] + cols[None, :],
+                      mask=tile, other=0.0).to(tl.float32)
         new = tl.load(o_ptr + _row_offsets(rows, H, S, o_sb, o_sh, o_ss)[:, None] + cols[None, :],
                       mask=tile, other=0.0).to(tl.float32)
         w2 = w[:, None]
-        lerp = tl.where(w2 < 0.5, acc + w2 * (new - acc), new - (new - acc) * (1.0 - w2))  # torch.lerp's form
-        tl.store(oa, lerp, mask=tile)
+        merged = tl.where(w2 < 0.5, acc + w2 * (new - acc), new - (new - acc) * (1.0 - w2))  # torch.lerp's form
+        if HAS_SINK:                                                # fold: o * sigmoid(lse - a), lse' = logaddexp(lse, a)
+            a = tl.load(a_ptr + (rows // S) % H, mask=live, other=0.0)
+            merged = merged * (1.0 / (1.0 + tl.exp(a - lse)))[:, None]
+            lse = tl.maximum(lse, a) + tl.log(1.0 + tl.exp(-tl.abs(lse - a)))
+        tl.store(la, lse, mask=live)
+        dst = dst_ptr + _row_offsets(rows, H, S, dst_sb, dst_sh, dst_ss)[:, None] + cols[None, :]
+        tl.store(dst, merged.to(dst_ptr.dtype.element_ty), mask=tile)
 
     @triton.jit
     def _fold_kernel(out_ptr, oa_ptr, la_ptr, a_ptr, R, H, S, D,
@@ -106,7 +112,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_D)
         tile = live[:, None] & (cols < D)[None, :]
         acc = tl.load(oa_ptr + _row_offsets(rows, H, S, oa_sb, oa_sh, oa_ss)[:, None] + cols[None, :],
-                      mask=tile, other=0.0)
+                      mask=tile, other=0.0).to(tl.float32)
         if HAS_SINK:
             la = la_ptr + _row_offsets(rows, H, S, la_sb, la_sh, la_ss)
             lse = tl.load(la, mask=live, other=0.0)
@@ -134,17 +140,21 @@ if triton is not None:
         tl.store(g_ptr + rows, -tl.exp(a - lse) * tl.sum(o * do, axis=1), mask=live)
 
 
-def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
-    """``sink.merge_`` in one pass."""
+def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *,
+           into: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None) -> None:
+    """``sink.merge_`` in one pass (the fold included when ``sink`` is given)."""
     b, h, s, d = o_acc.shape
+    dst = o_acc if into is None else into
+    a = lse_acc if sink is None else sink.reshape(-1).to(torch.float32).contiguous()
     block = _block_rows(d)
-    _merge_kernel[_grid(b * h * s, block)](o_acc, lse_acc, o, lse, b * h * s, h, s, d, *_rows(o_acc),
-                                           *_rows(lse_acc), *_rows(o), *_rows(lse), BLOCK_R=block,
+    _merge_kernel[_grid(b * h * s, block)](dst, o_acc, lse_acc, o, lse, a, b * h * s, h, s, d, *_rows(dst),
+                                           *_rows(o_acc), *_rows(lse_acc), *_rows(o), *_rows(lse),
+                                           HAS_SINK=sink is not None, BLOCK_R=block,
                                            BLOCK_D=triton.next_power_of_2(d), num_warps=NUM_WARPS)
 
 
 def fold_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: Optional[torch.Tensor]) -> None:
-    """``sink.finalize_`` in one pass: ``out = o * sigmoid(lse - a)`` and ``lse = lse'`` with a
+    """``sink.fold_`` in one pass: ``out = o * sigmoid(lse - a)`` and ``lse = lse'`` with a
     sink, ``out = o`` (cast to out's dtype) without."""
     b, h, s, d = o_acc.shape
     a = lse_acc if sink is None else sink.reshape(-1).to(torch.float32).contiguous()

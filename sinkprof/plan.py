@@ -11,9 +11,16 @@ steps 1..r all rows against the first K/V chunk, later steps the second query ch
 The backward runs the same steps in the same ring order: each step's tiles are recomputed with
 the final merged statistics, and the tiles that carry the sink (step 0's) return the sink gradient.
 Both the distributed ring and the fp64 emulator execute this plan.
+
+The plan also says how each tile's result joins its rows (``Tile.merges``), so the forward makes
+as few passes over ``o`` as the rows allow: the first tile of a row (step 0's) writes straight into
+the output buffer, the second merges from there into the fp32 accumulator, and the last writes
+the merged result (the sink folded in, under post-merge) straight into the output; a row seen by
+two tiles only is never copied into the accumulator at all.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Optional
@@ -24,11 +31,21 @@ from .options import Band
 
 
 @dataclass(frozen=True)
+class RowMerge:
+    """How a later tile's partial result joins some of its rows (a chunk, or both)."""
+
+    rows: slice       # rows of the local shard
+    second: bool      # the rows' merged result so far is the first tile's, still in the output buffer
+    last: bool        # no later tile sees these rows: the merge writes the output (and folds the sink)
+
+
+@dataclass(frozen=True)
 class Tile:
     q_rows: slice     # rows of the local shard (0 .. 2c)
     kv_rows: slice    # rows of the K/V shard held at this step (0 .. 2c)
     band: Band        # visibility in the tile's own coordinates
     sink: bool        # the first tile of its rows: carries their sink (step 0, each local row exactly once)
+    merges: tuple[RowMerge, ...] = ()   # how a later tile joins its rows (empty for the first tiles)
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,7 @@ class RankPlan:
     rank: int
     chunk: int                 # rows per chunk; the local shard has 2 * chunk rows
     steps: tuple[Step, ...]
+    alone: tuple[slice, ...] = ()   # rows that only their first tile sees: the output is that tile's
 
     @property
     def backward_steps(self) -> tuple[Step, ...]:
@@ -169,7 +187,38 @@ def ring_plan(cp: int, rank: int, chunk: int, band: Band) -> RankPlan:
         steps.append(Step(i, src, tuple(tiles)))
     if sink_rows != {0, 1}:  # the diagonal is always visible, so step 0 covers every local row
         raise AssertionError(f"step 0 of rank {rank} does not cover every local row: {sink_rows}")
-    return RankPlan(cp, rank, chunk, tuple(steps))
+    steps, alone = _with_merges(steps, chunk)
+    return RankPlan(cp, rank, chunk, steps, alone)
+
+
+def _with_merges(steps: list[Step], c: int) -> tuple[tuple[Step, ...], tuple[slice, ...]]:
+    """Each later tile's ``RowMerge``s, from the order in which tiles visit each local chunk; and
+    the chunks only their first tile visits."""
+    visits: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
+    for step in steps:
+        for t, tile in enumerate(step.tiles):
+            for chunk in range(tile.q_rows.start // c, tile.q_rows.stop // c):
+                visits[chunk].append((step.index, t))
+    role = {}  # (step, tile, chunk) -> (second, last) for every visit after the first
+    for chunk, seen in visits.items():
+        for n, (i, t) in enumerate(seen[1:], start=1):
+            role[(i, t, chunk)] = (n == 1, n == len(seen) - 1)
+    out = []
+    for step in steps:
+        tiles = []
+        for t, tile in enumerate(step.tiles):
+            parts = [(chunk, role[(step.index, t, chunk)])
+                     for chunk in range(tile.q_rows.start // c, tile.q_rows.stop // c) if (step.index, t, chunk) in role]
+            merges = []
+            for chunk, (second, last) in parts:  # one merge per run of chunks that join alike
+                if merges and (merges[-1].second, merges[-1].last) == (second, last):
+                    merges[-1] = RowMerge(slice(merges[-1].rows.start, (chunk + 1) * c), second, last)
+                else:
+                    merges.append(RowMerge(slice(chunk * c, (chunk + 1) * c), second, last))
+            tiles.append(dataclasses.replace(tile, merges=tuple(merges)))
+        out.append(Step(step.index, step.kv_rank, tuple(tiles)))
+    alone = tuple(slice(chunk * c, (chunk + 1) * c) for chunk, seen in visits.items() if len(seen) == 1)
+    return tuple(out), alone
 
 
 @dataclass(frozen=True)

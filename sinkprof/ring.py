@@ -17,7 +17,7 @@ import torch
 from . import profiling
 from .options import CPOptions, Fault, SinkStrategy, accum_dtype
 from .plan import RankPlan, Step, Tile, global_rows, ring_plan
-from .sink import finalize_, merge_, sink_grad, sink_logits
+from .sink import fold_, merge_, sink_grad, sink_logits
 
 
 class KVSource(Protocol):
@@ -101,7 +101,7 @@ def run_forward(plan: RankPlan, q: torch.Tensor, kv: KVSource, sink: Optional[to
         with profiling.active.compute("fwd", step.index):
             _forward_tiles(step, q, k, v, sink, bias, opts, strategy, o_acc, lse_acc)
     fold = sink if strategy is SinkStrategy.POST_MERGE else None
-    finalize_(out, o_acc, lse_acc, fold)
+    fold_(out, o_acc, lse_acc, fold)
 
 
 def _forward_tiles(step, q, k, v, sink, bias, opts, strategy, o_acc, lse_acc) -> None:

@@ -39,24 +39,37 @@ def _fused(acc_dtype: torch.dtype, *tensors: torch.Tensor):
     return fused if fused.usable(acc_dtype, *tensors) else None
 
 
-def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
-    """In place: add a partial result over a disjoint key set into the accumulators.
+def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *,
+           into: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None) -> None:
+    """Add a partial result over a disjoint key set to the merged result so far.
 
-    The new part's weight is ``exp(lse - lse') = sigmoid(lse - lse_acc)``. On CUDA this is one
-    fused kernel; the torch form below is the reference and the CPU path.
+    The new part's weight is ``exp(lse - lse') = sigmoid(lse - lse_acc)``; ``lse_acc`` is updated
+    in place. The merged ``o`` goes to ``into`` (any dtype: the output buffer when this is the
+    rows' last part), else back into ``o_acc``; ``o_acc`` itself may be in any dtype (the rows'
+    first part, still in the output buffer). With ``sink``, the sink is folded in as well (the
+    rows' last part under post-merge), so the output is written once. On CUDA this is one fused
+    kernel; the torch form below is the reference and the CPU path.
     """
-    fused = _fused(o_acc.dtype, o_acc, o)
+    fused = _fused(lse_acc.dtype, o_acc, o, into if into is not None else o_acc)
     if fused is not None:
-        fused.merge_(o_acc, lse_acc, o, lse)
+        fused.merge_(o_acc, lse_acc, o, lse, into=into, sink=sink)
         return
     diff = lse.to(lse_acc.dtype) - lse_acc
     diff.nan_to_num_(nan=NEG_INF)                 # both rows empty: keep the accumulator as it is
     weight = torch.sigmoid(diff).unsqueeze(-1)
-    o_acc.lerp_(o.to(o_acc.dtype), weight)        # (1 - w) o_acc + w o, exact at w = 0 and w = 1
     torch.logaddexp(lse_acc, lse.to(lse_acc.dtype), out=lse_acc)
+    if into is None and sink is None and o_acc.dtype == lse_acc.dtype:
+        o_acc.lerp_(o.to(o_acc.dtype), weight)    # (1 - w) o_acc + w o, exact at w = 0 and w = 1
+        return
+    merged = torch.lerp(o_acc.to(lse_acc.dtype), o.to(lse_acc.dtype), weight)
+    if sink is not None:
+        a = _as_rows(sink, lse_acc.dtype)
+        merged.mul_(torch.sigmoid(lse_acc - a).unsqueeze(-1))
+        lse_acc.copy_(torch.logaddexp(lse_acc, a))
+    (o_acc if into is None else into).copy_(merged)
 
 
-def finalize_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: Optional[torch.Tensor]) -> None:
+def fold_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: Optional[torch.Tensor]) -> None:
     """Write the merged result into ``out`` (the output dtype), folding the sink in once if given.
 
     ``lse' = logaddexp(lse, a)`` and ``o' = o * sigmoid(lse - a)`` (0 for an empty row); the
@@ -70,7 +83,7 @@ def finalize_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sin
         fused.fold_(out, o_acc, lse_acc, sink)
         return
     a = _as_rows(sink, lse_acc.dtype)
-    torch.mul(o_acc, torch.sigmoid(lse_acc - a).unsqueeze(-1), out=out)
+    out.copy_(o_acc.to(lse_acc.dtype) * torch.sigmoid(lse_acc - a).unsqueeze(-1))
     lse_acc.copy_(torch.logaddexp(lse_acc, a))
 
 

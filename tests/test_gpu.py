@@ -260,13 +260,13 @@ def test_fused_sink_kernels_match_the_torch_formulas_in_fp64(d, layout):
     assert torch.isneginf(lse_acc[..., 5:10]).all() and torch.isfinite(lse_acc[..., 10:]).all()
 
     plain = torch.empty_like(out)
-    sk.finalize_(plain, o_acc, lse_acc, None)                 # no sink: a cast, lse untouched
+    sk.fold_(plain, o_acc, lse_acc, None)                 # no sink: a cast, lse untouched
     assert torch.equal(plain, o_acc.to(torch.bfloat16))
     torch.testing.assert_close(cpu64(lse_acc), ref_lse, atol=1e-5, rtol=1e-5)
 
     ref_out = torch.empty_like(ref_acc)
-    sk.finalize_(ref_out, ref_acc, ref_lse, cpu64(sink))
-    sk.finalize_(out, o_acc, lse_acc, sink)
+    sk.fold_(ref_out, ref_acc, ref_lse, cpu64(sink))
+    sk.fold_(out, o_acc, lse_acc, sink)
     torch.testing.assert_close(cpu64(out), ref_out, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(cpu64(lse_acc), ref_lse, atol=1e-5, rtol=1e-5)   # empty rows end at a
 
@@ -276,3 +276,48 @@ def test_fused_sink_kernels_match_the_torch_formulas_in_fp64(d, layout):
     assert got.shape == (1, h, 1, 1) and got.dtype == torch.float32
     torch.testing.assert_close(cpu64(got), ref_grad, atol=1e-3, rtol=1e-4)
     assert ref_grad.abs().max() > 1.0
+
+
+@pytest.mark.parametrize("first_dtype", [torch.float32, torch.bfloat16], ids=["from-acc", "from-output"])
+@pytest.mark.parametrize("into_dtype", [None, torch.float32, torch.bfloat16], ids=["in-place", "into-fp32", "into-bf16"])
+@pytest.mark.parametrize("with_sink", [False, True], ids=["", "fold"])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_fused_merge_into_another_buffer_and_with_the_fold_matches_fp64(first_dtype, into_dtype, with_sink, layout):
+    """The ring's merges: from the accumulator or the output buffer, into either, with the sink
+    folded in on a row's last merge; against the torch formulas in fp64."""
+    from sinkprof import fused
+    from sinkprof import sink as sk
+    if fused.disabled_reason():
+        pytest.skip(fused.disabled_reason())
+    if with_sink and into_dtype is None:
+        pytest.skip("the fold goes with a merge into the output")
+    gen = torch.Generator().manual_seed(7)
+    b, h, s, d = 2, 4, 300, 128
+
+    def rows(dtype):
+        x = torch.randn(b, s, h, d, generator=gen) if layout == "bshd" else torch.randn(s, b, h, d, generator=gen)
+        x = x.to("cuda", dtype)
+        return x.permute(0, 2, 1, 3) if layout == "bshd" else x.permute(1, 2, 0, 3)
+    first, o = rows(first_dtype), rows(torch.bfloat16)
+    lse_first, lse = ((torch.randn(b, h, s, generator=gen) * 3).cuda() for _ in range(2))
+    lse_first[..., :10] = float("-inf")
+    lse[..., 5:15] = float("-inf")
+    first[..., :10, :] = 0
+    o[..., 5:15, :] = 0
+    sink = (torch.randn(1, h, 1, 1, generator=gen) * 5).cuda() if with_sink else None
+    into = None if into_dtype is None else rows(into_dtype)
+    if into is None and first_dtype != torch.float32:
+        pytest.skip("an in-place merge keeps the accumulator in fp32")
+
+    def cpu64(x):
+        return x.detach().to("cpu", torch.float64)
+    want, want_lse = cpu64(first), cpu64(lse_first)
+    sk.merge_(want, want_lse, cpu64(o), cpu64(lse))
+    if sink is not None:
+        sk.fold_(want, want.clone(), want_lse, cpu64(sink))
+    assert sk._fused(torch.float32, first, o) is not None
+    sk.merge_(first, lse_first, o, lse, into=into, sink=sink)
+    got = first if into is None else into
+    tol = 2e-2 if got.dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(cpu64(got), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(cpu64(lse_first), want_lse, atol=1e-5, rtol=1e-5)

@@ -96,3 +96,36 @@ def test_comm_count_contract():
     assert CommCount("fwd", 0, "kv", 1) in counts and CommCount("fwd", 2, "kv", 1) not in counts
     assert sum(c.kind == "dkv" for c in counts) == 3
     assert sum(c.kind == "kv" for c in counts) == 4
+
+
+@pytest.mark.parametrize("cp,chunk", [(1, 4), (2, 3), (3, 4), (4, 2), (5, 3)])
+@pytest.mark.parametrize("band", BANDS, ids=str)
+def test_merges_say_how_each_tile_joins_its_rows(cp, chunk, band):
+    """Per local chunk, in forward order: the first tile is step 0's (it writes the output buffer),
+    the second merges from that buffer, the last writes the output; chunks one tile sees are alone."""
+    for rank in range(cp):
+        plan = ring_plan(cp, rank, chunk, band)
+        roles = {0: [], 1: []}
+        for step in plan.steps:
+            for tile in step.tiles:
+                covered = set(range(tile.q_rows.start // chunk, tile.q_rows.stop // chunk))
+                merged = {}
+                for m in tile.merges:
+                    assert m.rows.start % chunk == 0 and m.rows.stop % chunk == 0
+                    for c in range(m.rows.start // chunk, m.rows.stop // chunk):
+                        merged[c] = (m.second, m.last)
+                if tile.sink:
+                    assert not tile.merges and step.index == 0
+                else:
+                    assert set(merged) == covered
+                for c in covered:
+                    roles[c].append(merged.get(c))
+        alone = set()
+        for c, seen in roles.items():
+            assert seen[0] is None                                   # the first visit is the sink tile's
+            later = seen[1:]
+            assert [s for s, _ in later] == [True] + [False] * (len(later) - 1) if later else True
+            assert [last for _, last in later] == [False] * (len(later) - 1) + [True] if later else True
+            if not later:
+                alone.update(range(c * chunk, (c + 1) * chunk))
+        assert alone == {r for part in plan.alone for r in range(part.start, part.stop)}

@@ -1,7 +1,7 @@
 """The sink math: merge, fold and the sink gradient, against direct formulas in fp64."""
 import torch
 
-from sinkprof.sink import finalize_, merge_, sink_grad
+from sinkprof.sink import fold_, merge_, sink_grad
 
 NEG_INF = float("-inf")
 
@@ -46,7 +46,7 @@ def test_fold_equals_an_extra_softmax_column_with_zero_value():
     expected = torch.softmax(with_col, -1)[..., :-1] @ v
     o, lse = _attn(scores, v)
     out = torch.empty_like(o)
-    finalize_(out, o, lse, a)
+    fold_(out, o, lse, a)
     assert torch.allclose(out, expected, atol=1e-14, rtol=0)
     assert torch.allclose(lse, torch.logsumexp(with_col, -1), atol=1e-14, rtol=0)
 
@@ -56,7 +56,7 @@ def test_fold_on_an_empty_row_gives_zero_output_and_lse_equal_to_the_sink():
     lse = torch.full((1, 2, 1), NEG_INF, dtype=torch.float64)
     a = torch.tensor([1.5, -7.0], dtype=torch.float64).view(1, 2, 1, 1)
     out = torch.full_like(o, 7.0)
-    finalize_(out, o, lse, a)
+    fold_(out, o, lse, a)
     assert torch.equal(out, torch.zeros_like(o))
     assert torch.equal(lse.flatten(), a.flatten())
 
@@ -75,3 +75,27 @@ def test_sink_grad_matches_autograd_through_the_extra_column():
     assert got.shape == (1, 3, 1, 1)
     assert torch.allclose(got, a.grad, atol=1e-13, rtol=0)
     assert a.grad.abs().max() > 1e-3  # the check is not vacuous
+
+
+def test_merge_into_the_output_with_the_sink_equals_merge_then_fold():
+    """The last merge of a row writes the output and folds the sink in one pass; the first part may
+    be read from the output buffer (a lower dtype) rather than the accumulator."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64) * 3
+    v = torch.randn(2, 3, 8, 4, generator=g, dtype=torch.float64)
+    a = torch.randn(1, 3, 1, 1, generator=g, dtype=torch.float64) * 5
+    o1, lse1 = _attn(scores[..., :3], v[:, :, :3])
+    o2, lse2 = _attn(scores[..., 3:], v[:, :, 3:])
+    want_o, want_lse = o1.clone(), lse1.clone()
+    merge_(want_o, want_lse, o2, lse2)
+    want = torch.empty_like(want_o)
+    fold_(want, want_o, want_lse, a)
+    for first_dtype in (torch.float64, torch.float32):
+        first = o1.to(first_dtype)                     # the first part, as the output buffer holds it
+        lse = lse1.clone()
+        out = torch.full_like(o1, 7.0)
+        merge_(first, lse, o2, lse2, into=out, sink=a)
+        tol = 1e-14 if first_dtype == torch.float64 else 1e-6
+        assert torch.allclose(out, want, atol=tol, rtol=0)
+        assert torch.allclose(lse, want_lse, atol=1e-14, rtol=0)
+        assert torch.equal(first, o1.to(first_dtype))  # the source is read, not written

@@ -29,8 +29,10 @@ class TileGrads:
 class TileKernel(Protocol):
     name: str
 
-    def forward(self, q, k, v, band: Band, sink, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (o ``[b, h, n_q, d]`` in q's dtype, lse ``[b, h, n_q]`` fp32/fp64, sink included)."""
+    def forward(self, q, k, v, band: Band, sink, bias, scale: float, *, out=None,
+                lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (o ``[b, h, n_q, d]`` in q's dtype, lse ``[b, h, n_q]`` fp32/fp64, sink included),
+        written into ``out`` and ``lse`` when they are given (views of the caller's buffers)."""
 
     def backward(self, q, k, v, o, grad_out, lse, band: Band, sink, bias, scale: float) -> TileGrads:
         """Gradients of the tile's rows, recomputed with the given ``lse`` and ``o``."""
@@ -67,6 +69,18 @@ def empty_bshd(x: torch.Tensor, rows: int) -> torch.Tensor:
     """A ``[b, h, rows, d]`` view with bshd strides (the layout the GPU kernels write fastest)."""
     b, h, _, d = x.shape
     return torch.empty(b, rows, h, d, dtype=x.dtype, device=x.device).permute(0, 2, 1, 3)
+
+
+def deliver(o: torch.Tensor, lse: torch.Tensor, out: Optional[torch.Tensor],
+            lse_out: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward's result, in the caller's buffers when it gave them."""
+    if out is not None and out is not o:
+        out.copy_(o)
+        o = out
+    if lse_out is not None and lse_out is not lse:
+        lse_out.copy_(lse)
+        lse = lse_out
+    return o, lse
 
 
 def forward_trimmed(kernel, q, k, v, band, sink, bias, scale, trimmed):

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..options import Band
-from .base import TileGrads, backward_trimmed, empty_bshd, forward_trimmed, trim_band
+from .base import TileGrads, backward_trimmed, deliver, empty_bshd, forward_trimmed, trim_band
 from .torch_tiles import TorchTiles
 
 log = logging.getLogger("sinkprof.cudnn")
@@ -201,23 +201,25 @@ class CudnnTiles:
 
     # -- the tile interface ------------------------------------------------------------------
 
-    def forward(self, q, k, v, band, sink, bias, scale):
+    def forward(self, q, k, v, band, sink, bias, scale, *, out=None, lse=None):
         if q.dtype not in _IO_TYPES:
-            return self._torch.forward(q, k, v, band, sink, bias, scale)
+            return self._torch.forward(q, k, v, band, sink, bias, scale, out=out, lse=lse)
         n_q, n_kv = q.shape[2], k.shape[2]
         trimmed = trim_band(band, n_q, n_kv)
         if trimmed is None or trimmed[0] != slice(0, n_q):
-            return forward_trimmed(self, q, k, v, band, sink, bias, scale, trimmed)
+            return deliver(*forward_trimmed(self, q, k, v, band, sink, bias, scale, trimmed), out, lse)
         _, cols, band = trimmed
         if cols != slice(0, n_kv):
             k, v = k[:, :, cols], v[:, :, cols]
             bias = bias[:, :, :, cols] if bias is not None else None
-        o = empty_bshd(q, n_q)
-        stats = torch.empty(q.shape[0], q.shape[1], n_q, 1, dtype=torch.float32, device=q.device)
-        key = ("fwd", _layout(q), _layout(k), _layout(v), band, _layout(sink), _layout(bias), scale)
+        o = empty_bshd(q, n_q) if out is None else out
+        stats = (torch.empty(q.shape[0], q.shape[1], n_q, dtype=torch.float32, device=q.device)
+                 if lse is None else lse).unsqueeze(-1)
+        key = ("fwd", _layout(q), _layout(k), _layout(v), band, _layout(sink), _layout(bias), scale,
+               _layout(o), _layout(stats))
         g = self._get(key, lambda: self._build_fwd(q, k, v, band, sink, bias, scale, o, stats))
         if g is None:
-            return self._torch.forward(q, k, v, band, sink, bias, scale)
+            return self._torch.forward(q, k, v, band, sink, bias, scale, out=out, lse=lse)
         tensors = dict(q=q, k=k, v=v, o=o, stats=stats)
         if sink is not None:
             tensors["sink"] = sink

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from ..options import Band
-from .base import TileGrads, backward_trimmed, empty_bshd, forward_trimmed, trim_band
+from .base import TileGrads, backward_trimmed, deliver, empty_bshd, forward_trimmed, trim_band
 from .torch_tiles import TorchTiles
 
 log = logging.getLogger("sinkprof.fa4")
@@ -133,21 +133,22 @@ class FA4Tiles:
     def _sink(sink: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if sink is None else sink.reshape(-1)      # [1, h, 1, 1] -> [h], a view
 
-    def forward(self, q, k, v, band, sink, bias, scale):
+    def forward(self, q, k, v, band, sink, bias, scale, *, out=None, lse=None):
         if q.dtype not in _IO_TYPES:
-            return self._torch.forward(q, k, v, band, sink, bias, scale)
+            return self._torch.forward(q, k, v, band, sink, bias, scale, out=out, lse=lse)
         if bias is not None:
-            return self._bias_fallback("fwd").forward(q, k, v, band, sink, bias, scale)
+            return self._bias_fallback("fwd").forward(q, k, v, band, sink, bias, scale, out=out, lse=lse)
         n_q, n_kv = q.shape[2], k.shape[2]
         trimmed = trim_band(band, n_q, n_kv)
         if trimmed is None or trimmed[0] != slice(0, n_q):
-            return forward_trimmed(self, q, k, v, band, sink, bias, scale, trimmed)
+            return deliver(*forward_trimmed(self, q, k, v, band, sink, bias, scale, trimmed), out, lse)
         _, cols, band = trimmed
         if cols != slice(0, n_kv):
             k, v = k[:, :, cols], v[:, :, cols]
         causal, left, right = fa4_window(band, n_q, k.shape[2])
-        o = empty_bshd(q, n_q)
-        lse = torch.empty(q.shape[0], q.shape[1], n_q, dtype=torch.float32, device=q.device)
+        o = empty_bshd(q, n_q) if out is None else out
+        if lse is None:
+            lse = torch.empty(q.shape[0], q.shape[1], n_q, dtype=torch.float32, device=q.device)
         with _program_name_only():
             _fa4._flash_attn_fwd(_bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, causal=causal,
                                  window_size_left=left, window_size_right=right,

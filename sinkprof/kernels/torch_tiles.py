@@ -11,7 +11,7 @@ import torch
 
 from ..options import Band, accum_dtype
 from ..sink import sink_grad
-from .base import TileGrads
+from .base import TileGrads, deliver
 
 
 class TorchTiles:
@@ -37,7 +37,10 @@ class TorchTiles:
         finite = lse.masked_fill(lse == float("-inf"), 0.0)
         return torch.exp(scores - finite.unsqueeze(-1))
 
-    def forward(self, q, k, v, band, sink, bias, scale):
+    def forward(self, q, k, v, band, sink, bias, scale, *, out=None, lse=None):
+        return deliver(*self._forward(q, k, v, band, sink, bias, scale), out, lse)
+
+    def _forward(self, q, k, v, band, sink, bias, scale):
         scores, _ = self._scores(q, k, band, bias, scale)
         lse = torch.logsumexp(scores, dim=-1)
         if sink is not None:
