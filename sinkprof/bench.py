@@ -22,12 +22,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import __version__, profiling
+from . import __version__, faults, profiling
 from .check import Case, Settings, expand
-from .context_parallel import _cp_attention
+from .context_parallel import cp_attention
 from .dist import RankInfo, where
 from .kernels import get_kernel
-from .options import DTYPES, CPOptions, Fault, accum_dtype, check_scale, make_spec
+from .faults import Fault
+from .options import DTYPES, CPOptions, accum_dtype, check_scale, make_spec
 from .plan import global_rows, ring_plan, shard
 from .ring import BiasTiles, LocalDKV, LocalKV, run_backward, run_forward
 from .sink import sink_logits
@@ -225,10 +226,11 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
         for t in (q, k, v, offset, bias):
             if t is not None:
                 t.grad = None
-        return _cp_attention(q, k, v, offset, comm=case.comm.value, softmax_type=case.softmax, mask=case.mask,
-                             window=case.window, bias=bias, qkv_format=case.qkv_format, backend=settings.backend,
-                             sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=opts.timeout,
-                             a2a_size=a2a_size, fault=opts.fault if inject else None)
+        with faults.injected(opts.fault if inject else None):
+            return cp_attention(q, k, v, offset, comm=case.comm, softmax_type=case.softmax, mask=case.mask,
+                                window=case.window, bias=bias, qkv_format=case.qkv_format, backend=settings.backend,
+                                sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=opts.timeout,
+                                a2a_size=a2a_size)
 
     def bwd(out):
         out.backward(grad_out)

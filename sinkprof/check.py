@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 
 from .a2a import expected_a2a_comm
-from .context_parallel import _cp_attention, comm_for, cp_groups
+from . import faults
+from .context_parallel import comm_for, cp_attention, cp_groups
 from .dist import RankInfo, where
 from .kernels import get_kernel
-from .options import (Comm as CommType, DTYPES, Fault, MaskType, QKVFormat, SinkGrad, SinkStrategy,
+from .faults import Fault
+from .options import (Comm as CommType, DTYPES, MaskType, QKVFormat, SinkGrad, SinkStrategy,
                       SoftmaxType, make_spec)
 from .plan import chunk_ids, expected_comm, shard
 from .testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_inputs, reference,
@@ -165,7 +167,7 @@ def own_part(comm: CommType, shape: Shape, cp: int, rank: int, a2a_size: int) ->
     return rows, heads
 
 
-def run_case(case: Case, info: RankInfo, seed: int, backend: str, fault: Optional[Fault], timeout: float) -> CaseResult:
+def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float) -> CaseResult:
     """One case on this rank; every rank returns the same (reduced) result."""
     where.case, where.phase, where.step, where.op = case.label, "setup", -1, "reference"
     cp, rank, device = info.world, info.rank, info.device
@@ -196,14 +198,11 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, fault: Optiona
         c.counts.clear()
 
     t0 = time.perf_counter()
-    out = _cp_attention(q, k, v, offset, comm=case.comm.value, softmax_type=case.softmax, mask=case.mask,
-                        window=case.window, bias=bias, qkv_format=case.qkv_format, backend=backend,
-                        sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=timeout, fault=fault,
-                        a2a_size=a2a_size)
-    if fault is Fault.ALIASED_REFERENCE and offset is not None:
-        # The seed bug: the "reference" gradient is the very tensor the CP backward accumulates into.
-        offset.grad = ref.d_offset.to(offset.dtype)
-        ref.d_offset = offset.grad
+    out = cp_attention(q, k, v, offset, comm=case.comm, softmax_type=case.softmax, mask=case.mask,
+                       window=case.window, bias=bias, qkv_format=case.qkv_format, backend=backend,
+                       sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=timeout,
+                       a2a_size=a2a_size)
+    faults.active.alias_reference(offset, ref)
     out.backward(grad_out)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -275,8 +274,9 @@ class ReportOptions:
 def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: float,
               report: ReportOptions) -> int:
     """The body every rank runs over every settings group; rank 0 reports; exit 0 only if all passed."""
-    results = [run_case(case, info, settings.seed, settings.backend, fault, timeout)
-               for settings in groups for case in expand(settings)]
+    with faults.injected(fault):
+        results = [run_case(case, info, settings.seed, settings.backend, timeout)
+                   for settings in groups for case in expand(settings)]
     passed = all(r.passed for r in results)
     if info.rank == 0:
         render(results, passed, info, groups[0], fault, report)

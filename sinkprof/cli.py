@@ -271,7 +271,7 @@ def check(
     """
     from . import dist as rt
     from .check import ReportOptions, check_job
-    from .options import Fault
+    from .faults import Fault
 
     if fmt not in ("table", "json"):
         raise typer.BadParameter(f"--format {fmt!r}: use table or json")
@@ -375,7 +375,7 @@ def bench(
     from . import dist as rt
     from .bench import PHASES, BenchOptions, bench_job
     from .bench import simulate as run_simulation
-    from .options import Fault
+    from .faults import Fault
 
     if phase not in PHASES:
         raise typer.BadParameter(f"--phase {phase!r}: use fwd, bwd or fwdbwd")

@@ -10,10 +10,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import faults
 from .dist import DEFAULT_TIMEOUT_S, Comm, SoloComm
 from .hierarchical import CPGroups, check_heads, hierarchical_attention, split_groups
 from .kernels import get_kernel
-from .options import (Comm as CommType, CPOptions, Fault, SinkGrad, SinkStrategy, check_bias, check_offset,
+from .options import (Comm as CommType, CPOptions, SinkGrad, SinkStrategy, check_bias, check_offset,
                       check_qkv, check_scale, make_spec)
 
 _comms: dict = {}
@@ -47,16 +48,6 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     ``a2a+p2p`` (a2a inside groups of ``a2a_size`` consecutive ranks, a ring across them; or pass
     ``group=(a2a_group, p2p_group)``).
     """
-    return _cp_attention(q, k, v, softmax_offset, group=group, comm=comm, softmax_type=softmax_type, mask=mask,
-                         window=window, bias=bias, scale=scale, qkv_format=qkv_format, backend=backend,
-                         sink_strategy=sink_strategy, sink_grad=sink_grad, a2a_size=a2a_size, timeout=timeout)
-
-
-def _cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softmax_type="vanilla",
-                  mask="no_mask", window=None, bias=None, scale=None, qkv_format="bshd", backend="auto",
-                  sink_strategy="step0", sink_grad="full", a2a_size: Optional[int] = None,
-                  timeout: float = DEFAULT_TIMEOUT_S, fault: Optional[Fault] = None):
-    """``cp_attention`` plus the faults ``sinkprof check`` injects."""
     spec = make_spec(softmax_type, mask, window, qkv_format)
     comm_type = CommType.parse(comm, "comm")
     strategy = SinkStrategy.parse(sink_strategy, "sink_strategy")
@@ -76,7 +67,7 @@ def _cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softm
     full = dims.s_q * world
     check_bias(bias, dims.b, dims.h, full, full, q.device)
     check_heads(dims.h, dims.g, groups.inner.size)
-    opts = CPOptions(spec, check_scale(scale, dims.d), get_kernel(backend, q.device), strategy, grad_contract, fault)
+    opts = CPOptions(spec, check_scale(scale, dims.d), get_kernel(backend, q.device), strategy, grad_contract)
     if softmax_offset is not None:
         softmax_offset = ReplicatedGrad.apply(softmax_offset, groups, opts, "sink gradient all-reduce")
     if bias is not None:
@@ -115,7 +106,7 @@ class ReplicatedGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         opts = ctx.opts
-        if opts.sink_grad is SinkGrad.FULL and opts.fault is not Fault.NO_SINK_REDUCE:
+        if opts.sink_grad is SinkGrad.FULL and faults.active.reduces_replicated_grads():
             grad = grad.clone()
             for comm in (ctx.groups.inner, ctx.groups.outer):  # inner then outer: every CP rank once
                 if comm.size > 1:

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from .a2a import GatherHeads, ScatterHeads
+from . import faults
 from .dist import Comm, SoloComm
-from .options import CPOptions, Fault
+from .options import CPOptions
 from .ring import P2PAttention
 
 
@@ -77,7 +78,7 @@ def hierarchical_attention(q, k, v, offset: Optional[torch.Tensor], bias: Option
     mine = slice(inner.rank * per, (inner.rank + 1) * per)
     q_o = ScatterHeads.apply(q, inner, sd, hd)
     kv_o = ScatterHeads.apply(torch.stack([k, v]), inner, sd + 1, hd + 1)
-    sink_heads = slice(0, per) if opts.fault is Fault.SKIP_SINK_SLICE else mine
+    sink_heads = faults.active.sink_heads(mine, per)
     offset_o = offset[:, sink_heads] if offset is not None else None
     bias_o = bias[:, mine] if bias is not None and bias.shape[1] != 1 else bias
     out_o = P2PAttention.apply(q_o, kv_o[0], kv_o[1], offset_o, bias_o, opts, outer)

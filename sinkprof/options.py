@@ -282,18 +282,6 @@ def check_scale(scale, d: int) -> float:
     return scale
 
 
-class Fault(_Choice):
-    """Bugs ``sinkprof check`` can inject to prove that it fails when they are present."""
-
-    SINK_EVERY_TILE = "sink-every-tile"      # the sink enters every ring tile (counted per tile)
-    NO_SINK_REDUCE = "no-sink-reduce"        # the full contract skips its all-reduce
-    ALIASED_REFERENCE = "aliased-reference"  # the reference shares storage with the CP gradients
-    VANILLA_FALLBACK = "vanilla-fallback"    # the tiles drop the softmax type (TE's p2p bug)
-    SKIP_SINK_SLICE = "skip-sink-slice"      # a2a gives every rank the first heads' sinks
-    STALL = "stall"                          # rank 1 stops answering in the forward ring
-    CRASH = "crash"                          # rank 1 dies in the forward ring
-
-
 @dataclass(frozen=True)
 class CPOptions:
     """How one context-parallel attention runs; built once per call from the public arguments."""
@@ -303,4 +291,3 @@ class CPOptions:
     kernel: object                               # a kernels.TileKernel
     sink_strategy: SinkStrategy = SinkStrategy.STEP0
     sink_grad: SinkGrad = SinkGrad.FULL
-    fault: Optional[Fault] = None

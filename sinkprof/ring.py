@@ -14,8 +14,8 @@ from typing import Optional, Protocol
 
 import torch
 
-from . import profiling
-from .options import CPOptions, Fault, SinkStrategy, accum_dtype
+from . import faults, profiling
+from .options import CPOptions, SinkStrategy, accum_dtype
 from .plan import RankPlan, Step, Tile, global_rows, ring_plan
 from .sink import finalize_, merge_, sink_grad, sink_logits
 
@@ -86,16 +86,12 @@ def tile_sink(tile: Tile, sink: Optional[torch.Tensor], strategy: SinkStrategy) 
     return sink if (tile.sink or strategy is SinkStrategy.EVERY_TILE) else None
 
 
-def effective_strategy(opts: CPOptions) -> SinkStrategy:
-    return SinkStrategy.EVERY_TILE if opts.fault is Fault.SINK_EVERY_TILE else opts.sink_strategy
-
-
 def run_forward(plan: RankPlan, q: torch.Tensor, kv: KVSource, sink: Optional[torch.Tensor],
                 bias: Optional[BiasTiles], opts: CPOptions, o_acc: torch.Tensor, lse_acc: torch.Tensor,
                 out: torch.Tensor) -> None:
     """Merge every tile of every step into the accumulators, then write ``out`` (the output dtype),
     folding the sink in once under ``post-merge``. ``lse_acc`` ends sink-inclusive."""
-    strategy = effective_strategy(opts)
+    strategy = faults.active.sink_strategy(opts.sink_strategy)
     for step in plan.steps:
         k, v = kv.get(step)
         with profiling.active.compute("fwd", step.index):
@@ -121,7 +117,7 @@ def run_backward(plan: RankPlan, q: torch.Tensor, out: torch.Tensor, grad_out: t
                  kv: KVSource, dkv: DKVSink, sink: Optional[torch.Tensor], bias: Optional[BiasTiles],
                  opts: CPOptions, dq_acc: torch.Tensor) -> Optional[torch.Tensor]:
     """Recompute every tile with the final ``lse`` and ``out``; return this rank's rows' sink gradient."""
-    strategy = effective_strategy(opts)
+    strategy = faults.active.sink_strategy(opts.sink_strategy)
     from_tiles = sink is not None and strategy is not SinkStrategy.POST_MERGE
     d_sink = torch.zeros_like(sink) if from_tiles else None
     for step in plan.backward_steps:
@@ -155,8 +151,8 @@ def _backward_tiles(step, q, out, grad_out, lse, k, v, dk, dv, sink, bias, opts,
 class RingKV:
     """K/V of each step over the ring: step i+1's exchange is in flight while step i computes."""
 
-    def __init__(self, comm, k: torch.Tensor, v: torch.Tensor, fmt, phase: str, fault: Optional[Fault] = None):
-        self.comm, self.fmt, self.phase, self.fault = comm, fmt, phase, fault
+    def __init__(self, comm, k: torch.Tensor, v: torch.Tensor, fmt, phase: str):
+        self.comm, self.fmt, self.phase = comm, fmt, phase
         self.bufs = [torch.stack([k, v])]
         self.bufs.append(torch.empty_like(self.bufs[0]))
         self.pending = None
@@ -166,8 +162,7 @@ class RingKV:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-        if self.fault in (Fault.STALL, Fault.CRASH) and self.phase == "fwd" and i == 0 and self.comm.rank == 1:
-            _inject_rank_failure(self.fault)
+        faults.active.on_ring_step(self.comm.rank, self.phase, i)
         cur = self.bufs[i % 2]
         if i + 1 < self.comm.size:
             self.pending = self.comm.exchange(cur, self.bufs[(i + 1) % 2], "kv", self.phase, i)
@@ -207,15 +202,6 @@ class RingDKV:
         return self.incoming[self.last % 2]
 
 
-def _inject_rank_failure(fault: Fault) -> None:
-    import os
-    import time
-    if fault is Fault.CRASH:
-        os._exit(17)
-    while True:  # Fault.STALL: stop answering; the peers' timeouts must catch it
-        time.sleep(60)
-
-
 class P2PAttention(torch.autograd.Function):
     """Ring attention over ``comm`` on this rank's load-balanced shard (user layout in and out)."""
 
@@ -226,13 +212,12 @@ class P2PAttention(torch.autograd.Function):
         plan = ring_plan(comm.size, comm.rank, chunk, opts.spec.band)
         acc = accum_dtype(q.dtype)
         h = q.shape[2]
-        sink = None if opts.fault is Fault.VANILLA_FALLBACK else \
-            sink_logits(opts.spec.softmax_type, offset, h, q.device)
+        sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, h, q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, chunk, acc)
         o_acc = torch.empty(q.shape, dtype=acc, device=q.device)      # step 0 writes every row first
         lse = torch.empty((q.shape[1 - fmt.seq_dim], h, 2 * chunk), dtype=acc, device=q.device)
         out = torch.empty_like(q)
-        run_forward(plan, fmt.to_bhsd(q), RingKV(comm, k, v, fmt, "fwd", opts.fault), sink, bias_tiles, opts,
+        run_forward(plan, fmt.to_bhsd(q), RingKV(comm, k, v, fmt, "fwd"), sink, bias_tiles, opts,
                     fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out))
         ctx.save_for_backward(q, k, v, out, lse, offset, bias)
         ctx.opts, ctx.comm, ctx.plan, ctx.sink_is_param = opts, comm, plan, offset is not None
@@ -244,8 +229,7 @@ class P2PAttention(torch.autograd.Function):
         opts, comm, plan = ctx.opts, ctx.comm, ctx.plan
         fmt = opts.spec.qkv_format
         acc = accum_dtype(q.dtype)
-        sink = None if opts.fault is Fault.VANILLA_FALLBACK else \
-            sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device)
+        sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, plan.chunk, acc)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = RingDKV(comm, k.shape, acc, q.device, fmt)
