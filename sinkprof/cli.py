@@ -76,7 +76,7 @@ def _positive_int(value: str) -> int:
 
 def _emit(text: str, output: Optional[str]) -> None:
     if output:
-        from .files import atomic_write_text
+        from .tool.output import atomic_write_text
         atomic_write_text(output, text)
     else:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
@@ -103,8 +103,8 @@ def emulate(
 
     Exit 0 when step0 and post-merge match to 1e-12 and the every-tile bug is detected, else 1.
     """
-    from .emulate import EMULATE_TOLERANCE
-    from .emulate import emulate as run
+    from .tool.emulate import EMULATE_TOLERANCE
+    from .tool.emulate import emulate as run
     from .testing import Shape
 
     cps = split_list(cp, "--cp", _positive_int)
@@ -159,8 +159,8 @@ def main() -> None:
 
 def _resolve_groups(profile, dist_backend: str, nproc, options: dict) -> list:
     """Profile + command line -> validated ``check.Settings`` groups (shared by check and bench)."""
-    from . import dist as rt
-    from .profiles import find
+    from .tool import launcher as rt
+    from .tool.profiles import find
     if dist_backend not in ("auto", "gloo", "nccl"):
         raise typer.BadParameter(f"--dist-backend {dist_backend!r}: use auto, gloo or nccl")
     try:
@@ -269,8 +269,8 @@ def check(
 
     Exit 0 when every case passes, 1 when any fails or hangs, 2 for usage errors.
     """
-    from . import dist as rt
-    from .check import ReportOptions, check_job
+    from .tool import launcher as rt
+    from .tool.check import ReportOptions, check_job
     from .faults import Fault
 
     if fmt not in ("table", "json"):
@@ -292,7 +292,7 @@ def check(
 @app.command()
 def profiles(name: Optional[str] = typer.Argument(None, help="Show this profile's settings.")):
     """List the named run configurations, or show one."""
-    from .profiles import available, find
+    from .tool.profiles import available, find
     if name is None:
         table = Table(title="profiles")
         table.add_column("name")
@@ -317,7 +317,7 @@ def doctor(
     fmt: str = typer.Option("table", "--format", help="table or json."),
 ):
     """Show the environment and which comm x softmax x backend x dtype x layout cells run here."""
-    from .doctor import diagnose, render
+    from .tool.doctor import diagnose, render
     if fmt not in ("table", "json"):
         raise typer.BadParameter(f"--format {fmt!r}: use table or json")
     if device not in (None, "cpu", "cuda"):
@@ -372,9 +372,9 @@ def bench(
     For Nsight Systems: torchrun --nproc-per-node N --no-python nsys profile -t cuda,nvtx,nccl
     --capture-range=cudaProfilerApi -o rank%q{RANK} sinkprof bench ...
     """
-    from . import dist as rt
-    from .bench import PHASES, BenchOptions, bench_job
-    from .bench import simulate as run_simulation
+    from .tool import launcher as rt
+    from .tool.bench import PHASES, BenchOptions, bench_job
+    from .tool.bench import simulate as run_simulation
     from .faults import Fault
 
     if phase not in PHASES:
@@ -418,7 +418,7 @@ def report(
     plot: Optional[str] = typer.Option(None, help="Write one PNG per case and phase into this folder."),
 ):
     """Summarise bench CSVs: per-step compute, communication, overlap, exposed time, TFLOP/s."""
-    from .report import report as run
+    from .tool.report import report as run
     try:
         written = run(csv_files, plot, console)
     except ValueError as exc:

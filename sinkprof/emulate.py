@@ -1,4 +1,4 @@
-"""``sinkprof emulate``: the exact ring schedule of every rank, replayed in one process in fp64.
+"""The emulator: the exact ring schedule of every rank, replayed in one process (fp64 for the checks).
 
 K/V "communication" is indexing into the other ranks' shards, and dK/dV are added straight into
 their owner's accumulators; the loops themselves are the distributed ring's (``ring.run_*``).
@@ -6,18 +6,16 @@ their owner's accumulators; the loops themselves are the distributed ring's (``r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from .kernels import TorchTiles
-from .options import (AttnSpec, CPOptions, MaskType, SinkStrategy, SoftmaxType, accum_dtype, check_scale,
-                      make_spec)
 from .a2a import join_outer
+from .kernels import TorchTiles
+from .options import AttnSpec, CPOptions, SinkStrategy, accum_dtype, check_scale
 from .plan import global_rows, ring_plan, shard, unshard
 from .ring import BiasTiles, LocalDKV, LocalKV, run_backward, run_forward
 from .sink import sink_logits
-from .testing import Inputs, Result, Shape, make_inputs, reference
+from .testing import Inputs, Result
 
 
 @dataclass
@@ -114,46 +112,3 @@ def emulate_hierarchical(inputs: Inputs, spec: AttnSpec, world: int, a2a_size: i
                     torch.cat([r.d_offset for r in res], 1) if inputs.offset is not None else None, d_bias,
                     torch.cat([r.lse for r in res], 1))
     return EmulatedRing(result, [p for r in runs for p in r.d_sink_parts])
-
-
-@dataclass
-class EmulateRow:
-    comm: str
-    cp: int
-    mask: str
-    strategy: str
-    out_max_abs_err: float
-    dq_max_abs_err: float
-    dk_max_abs_err: float
-    dv_max_abs_err: float
-    dsink_max_abs_err: float
-    dsink_ratio_min: float
-    dsink_ratio_max: float
-    passed: bool      # matches the reference to EMULATE_TOLERANCE
-    ok: bool          # as expected: correct strategies pass, the every-tile bug is detected
-
-
-EMULATE_TOLERANCE = 1e-12
-
-
-def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_size: Optional[int] = None) -> list[EmulateRow]:
-    """Every (cp, mask, strategy) against the fp64 reference, with a learnable sink of ``randn * 5``.
-
-    With ``a2a_size`` the schedule is a2a+p2p: cp ranks in inner groups of ``a2a_size``."""
-    rows = []
-    for mask in masks:
-        spec = make_spec(SoftmaxType.LEARNABLE, mask, window, "bshd")
-        for cp in cps:
-            shape.validate(cp)
-            inputs = make_inputs(shape, spec, seed)
-            ref = reference(inputs, spec)
-            for strategy in strategies:
-                got = (emulate_ring(inputs, spec, cp, strategy) if a2a_size is None else
-                       emulate_hierarchical(inputs, spec, cp, a2a_size, strategy)).result
-                err = {k: (got.named()[k] - v).abs().max().item() for k, v in ref.named().items()}
-                ratio = (got.d_offset / ref.d_offset).flatten()
-                passed = max(err.values()) <= EMULATE_TOLERANCE
-                rows.append(EmulateRow("p2p" if a2a_size is None else f"a2a+p2p({a2a_size})", cp, MaskType.parse(mask, "mask").value, strategy.value, err["out"], err["dq"],
-                                       err["dk"], err["dv"], err["d_sink"], ratio.min().item(), ratio.max().item(),
-                                       passed, passed != (strategy is SinkStrategy.EVERY_TILE)))
-    return rows

@@ -22,17 +22,18 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import __version__, faults, profiling
-from .check import Case, Settings, expand
-from .context_parallel import cp_attention
-from .dist import RankInfo, where
-from .kernels import get_kernel
-from .faults import Fault
-from .options import DTYPES, CPOptions, accum_dtype, check_scale, make_spec
-from .plan import global_rows, ring_plan, shard
-from .ring import BiasTiles, LocalDKV, LocalKV, run_backward, run_forward
-from .sink import sink_logits
-from .testing import make_inputs
+from .. import __version__, faults, profiling
+from ..context_parallel import cp_attention
+from ..dist import where
+from ..faults import Fault
+from ..kernels import get_kernel
+from ..options import DTYPES, CPOptions, accum_dtype, check_scale, make_spec
+from ..plan import global_rows, ring_plan, shard
+from ..ring import BiasTiles, LocalDKV, LocalKV, run_backward, run_forward
+from ..sink import sink_logits
+from ..testing import make_inputs
+from .cases import Case, Settings, expand
+from .launcher import RankInfo
 
 PHASES = ("fwd", "bwd", "fwdbwd")
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
@@ -76,12 +77,12 @@ def _merges(device: torch.device) -> str:
     """What runs the merges, folds and sink gradient: the fused Triton kernels or torch ops."""
     if device.type != "cuda":
         return "torch"
-    from . import fused
+    from .. import fused
     return "triton" if fused.disabled_reason() is None else "torch"
 
 
 def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simulated: bool, phase: str) -> dict:
-    from .kernels.cudnn import versions
+    from ..kernels.cudnn import versions
     return {
         "comm": case.comm.value, "softmax": case.softmax.value,
         "sink_strategy": case.sink_strategy.value if case.softmax.has_sink else "",

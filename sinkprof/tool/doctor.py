@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .kernels import BackendUnavailable, TorchTiles, get_kernel
-from .options import DTYPE_NAMES, DTYPES, Band, Backend, Comm, QKVFormat, SoftmaxType
-from .testing import tolerance_for
+from ..kernels import BackendUnavailable, TorchTiles, get_kernel
+from ..options import DTYPE_NAMES, DTYPES, Band, Backend, Comm, QKVFormat, SoftmaxType
+from ..testing import tolerance_for
 
 
 @dataclass
@@ -48,14 +48,14 @@ def _version(module: str) -> Optional[str]:
 
 def _fused_kernels() -> str:
     """Whether merges, folds and deltas run as one-pass Triton kernels on CUDA, or why not."""
-    from . import fused
+    from .. import fused
     reason = fused.disabled_reason()
     return f"on (triton {fused.triton.__version__})" if reason is None else f"off: {reason}"
 
 
 def environment() -> dict:
-    from .kernels.cudnn import versions
-    from .kernels.fa4 import version as fa4_version
+    from ..kernels.cudnn import versions
+    from ..kernels.fa4 import version as fa4_version
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .check import Settings
+from .cases import Settings
 
 LIST_FIELDS = {f.name for f in dataclasses.fields(Settings) if f.type == "tuple"}
 FIELDS = {f.name for f in dataclasses.fields(Settings)}
@@ -40,7 +40,7 @@ class Profile:
 
 def profile_dirs() -> list[Path]:
     dirs = [Path(p) for p in os.environ.get("SINKPROF_PROFILES", "").split(os.pathsep) if p]
-    dirs.append(Path(__file__).resolve().parent.parent / "profiles")
+    dirs.append(Path(__file__).resolve().parents[2] / "profiles")
     return dirs
 
 
