@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from . import faults
 from .dist import DEFAULT_TIMEOUT_S, Comm, SoloComm
-from .hierarchical import CPGroups, check_heads, hierarchical_attention, split_groups
+from .hierarchical import CPGroups, hierarchical_attention, split_groups
 from .kernels import get_kernel
-from .options import (Comm as CommType, CPOptions, SinkGrad, SinkStrategy, check_bias, check_offset,
-                      check_qkv, check_scale, make_spec)
+from .options import (Comm as CommType, CPOptions, SinkGrad, check_bias, check_heads, check_offset, check_qkv,
+                      check_scale, check_sink_strategy, make_spec)
 
 _comms: dict = {}
 
@@ -50,10 +50,7 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     """
     spec = make_spec(softmax_type, mask, window, qkv_format)
     comm_type = CommType.parse(comm, "comm")
-    strategy = SinkStrategy.parse(sink_strategy, "sink_strategy")
-    if strategy is SinkStrategy.EVERY_TILE:
-        raise ValueError("sink_strategy='every-tile' is the known bug (the sink counted once per tile); "
-                         "use 'step0' or 'post-merge'")
+    strategy = check_sink_strategy(sink_strategy)
     grad_contract = SinkGrad.parse(sink_grad, "sink_grad")
     dims = check_qkv(q, k, v, spec.qkv_format)
     if dims.s_q != dims.s_kv:

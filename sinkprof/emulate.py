@@ -11,7 +11,7 @@ import torch
 
 from .a2a import join_outer
 from .kernels import TorchTiles
-from .options import AttnSpec, CPOptions, SinkStrategy, accum_dtype, check_scale
+from .options import AttnSpec, CPOptions, SinkStrategy, accum_dtype, check_a2a_size, check_heads, check_scale
 from .plan import global_rows, ring_plan, shard, unshard
 from .ring import BiasTiles, LocalDKV, LocalKV, run_backward, run_forward
 from .sink import sink_logits
@@ -81,12 +81,10 @@ def emulate_hierarchical(inputs: Inputs, spec: AttnSpec, world: int, a2a_size: i
     """a2a+p2p in one process: the a2a re-layout is indexing (``join_outer`` of the inner group's
     shards, the same function the distributed a2a uses), then one ring over the outer groups per
     inner head group. ``world`` ranks, inner groups of ``a2a_size``."""
-    if a2a_size < 1 or world % a2a_size:
-        raise ValueError(f"a2a_size={a2a_size} must divide cp={world}")
+    check_a2a_size(a2a_size, world)
     outer = world // a2a_size
     h, g = inputs.q.shape[2], inputs.k.shape[2]
-    if h % a2a_size or g % a2a_size:
-        raise ValueError(f"a2a over {a2a_size} ranks needs h={h} and g={g} divisible by {a2a_size}")
+    check_heads(h, g, a2a_size)
     sd = spec.qkv_format.seq_dim
     for x in (inputs.q, inputs.k):  # the re-layout lands every group on its outer load-balanced shard
         for o in range(outer):

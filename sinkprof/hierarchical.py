@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .a2a import GatherHeads, ScatterHeads
 from . import faults
 from .dist import Comm, SoloComm
-from .options import CPOptions
+from .options import CPOptions, check_a2a_size
 from .ring import P2PAttention
 
 
@@ -38,8 +38,7 @@ def split_groups(group, a2a_size: int, timeout: float) -> CPGroups:
         return _groups[key]
     ranks = dist.get_process_group_ranks(base)
     world = len(ranks)
-    if a2a_size < 1 or world % a2a_size:
-        raise ValueError(f"a2a_size={a2a_size} must divide the CP group size {world}")
+    check_a2a_size(a2a_size, world)
     outer_size = world // a2a_size
     me = dist.get_rank()
     inner = outer = None
@@ -57,21 +56,14 @@ def split_groups(group, a2a_size: int, timeout: float) -> CPGroups:
     return _groups[key]
 
 
-def check_heads(h: int, g: int, members: int) -> None:
-    if h % members or g % members:
-        raise ValueError(f"a2a over {members} ranks needs the head counts divisible by {members}: "
-                         f"q has h={h} heads and k, v have g={g}; use an a2a size that divides both")
-
-
 def hierarchical_attention(q, k, v, offset: Optional[torch.Tensor], bias: Optional[torch.Tensor], opts: CPOptions,
                            groups: CPGroups):
     """Attention on this rank's load-balanced shard (the same layout as p2p) through a2a + ring."""
     inner, outer = groups.inner, groups.outer
     fmt = opts.spec.qkv_format
     sd, hd = fmt.seq_dim, 2
-    h, g = q.shape[hd], k.shape[hd]
+    h = q.shape[hd]
     members = inner.size
-    check_heads(h, g, members)
     if members == 1:
         return P2PAttention.apply(q, k, v, offset, bias, opts, outer)
     per = h // members

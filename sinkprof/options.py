@@ -173,13 +173,21 @@ class AttnSpec:
         return Band(None if left is None else -left, right)
 
 
+def window_pair(window, arg: str = "window") -> tuple[int, int]:
+    """``(left, right)`` ints from a pair or a ``"LEFT,RIGHT"`` string (what a user types)."""
+    try:
+        left, right = (int(w) for w in (window.split(",") if isinstance(window, str) else window))
+    except (TypeError, ValueError):
+        raise ValueError(f"{arg}={window!r} must be a pair LEFT,RIGHT of ints, -1 meaning unbounded "
+                         f"(e.g. 128,0)") from None
+    return left, right
+
+
 def parse_window(window, mask: MaskType) -> tuple[Optional[int], Optional[int]]:
+    """A user's ``window=(left, right)`` (-1 unbounded) as ``AttnSpec.window`` (None unbounded)."""
     if window is None:
         return (None, None)
-    try:
-        left, right = (int(w) for w in window)
-    except (TypeError, ValueError):
-        raise ValueError(f"window={window!r} must be a pair (left, right) of ints, -1 meaning unbounded") from None
+    left, right = window_pair(window)
     for name, w in (("left", left), ("right", right)):
         if w < -1:
             raise ValueError(f"window {name}={w} must be >= 0, or -1 for unbounded")
@@ -271,6 +279,29 @@ def check_bias(bias, b: int, h: int, s_q: int, s_kv: int, device) -> None:
         raise ValueError(f"bias.dtype={bias.dtype} must be floating point")
     if bias.device != torch.device(device):
         raise ValueError(f"bias is on {bias.device} but q is on {device}")
+
+
+def check_sink_strategy(value, arg: str = "sink_strategy") -> SinkStrategy:
+    """A sink strategy a run may use: ``every-tile`` is the known bug, only the emulator replays it."""
+    strategy = SinkStrategy.parse(value, arg)
+    if strategy is SinkStrategy.EVERY_TILE:
+        raise ValueError(f"{arg}='every-tile' is the known bug (the sink counted once per tile); "
+                         f"use 'step0' or 'post-merge'")
+    return strategy
+
+
+def check_a2a_size(a2a_size: int, world: int) -> None:
+    """Inner a2a groups of ``a2a_size`` consecutive ranks must tile the CP group."""
+    if a2a_size < 1 or world % a2a_size:
+        raise ValueError(f"a2a_size={a2a_size} must divide the CP group size {world}")
+
+
+def check_heads(h: int, g: int, members: int) -> None:
+    """a2a over ``members`` ranks gives each a share of the query and of the K/V heads."""
+    if h % members or g % members:
+        raise ValueError(f"a2a over {members} ranks splits the heads: q has h={h} heads and k, v have g={g}, "
+                         f"but h={h} and g={g} must both be divisible by {members}; "
+                         f"use an a2a size that divides both")
 
 
 def check_scale(scale, d: int) -> float:

@@ -9,9 +9,7 @@ compute and load balance before renting the cluster.
 from __future__ import annotations
 
 import contextlib
-import csv
 import datetime
-import os
 import subprocess
 import sys
 import uuid
@@ -24,16 +22,18 @@ import torch.distributed as dist
 
 from .. import __version__, faults, profiling
 from ..context_parallel import cp_attention
-from ..dist import where
-from ..faults import Fault
+from ..dist import DEFAULT_TIMEOUT_S, where
+from ..faults import RANK_FAILURES, Fault
 from ..kernels import get_kernel
 from ..options import DTYPES, CPOptions, accum_dtype, check_scale, make_spec
 from ..plan import global_rows, ring_plan, shard
 from ..ring import BiasTiles, LocalDKV, LocalKV, run_backward, run_forward
 from ..sink import sink_logits
-from ..testing import make_inputs
+from ..testing import Shape, make_inputs
 from .cases import Case, Settings, expand
+from .errors import EXIT_OK
 from .launcher import RankInfo
+from .output import CsvStream, atomic_path
 
 PHASES = ("fwd", "bwd", "fwdbwd")
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
@@ -53,7 +53,14 @@ class BenchOptions:
     nvtx: bool = True
     simulate: tuple = ()            # cp sizes to simulate on one device; empty = a real run
     fault: Optional[Fault] = None   # stall/crash on the second measured iteration (tests the CSV)
-    timeout: float = 120.0
+    timeout: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self):
+        if self.phase not in PHASES:
+            raise ValueError(f"--phase {self.phase!r}: use fwd, bwd or fwdbwd")
+        if self.fault not in (None, *RANK_FAILURES):
+            raise ValueError(f"--inject {self.fault.value!r}: bench injects only stall or crash; "
+                             f"the others belong to check")
 
 
 def useful_flops(case: Case, phase: str) -> int:
@@ -99,30 +106,27 @@ def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simul
 
 
 class RowWriter:
-    """Appends rows to ``path.partial`` iteration by iteration; ``close`` renames it to ``path``."""
+    """Every row of a run, kept for the summary and streamed to the CSV (``output.CsvStream``)."""
 
     def __init__(self, path: Optional[str]):
-        self.path = Path(path) if path else None
-        self.partial = Path(str(path) + ".partial") if path else None
         self.rows: list[dict] = []
-        self._file = None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.partial, "w", newline="")
-            self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS, extrasaction="ignore")
-            self._csv.writeheader()
+        self.stream = CsvStream(path, COLUMNS) if path else None
 
     def append(self, rows: list[dict]) -> None:
         self.rows.extend(rows)
-        if self._file is not None:
-            self._csv.writerows(rows)
-            self._file.flush()
-            os.fsync(self._file.fileno())
+        if self.stream is not None:
+            self.stream.append(rows)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            os.replace(self.partial, self.path)
+        if self.stream is not None:
+            self.stream.close()
+
+    def abandon(self) -> None:
+        """The run stopped early: keep ``FILE.partial`` and say so."""
+        if self.stream is not None:
+            self.stream.abandon()
+            print(f"sinkprof bench: stopped early; the rows measured so far are in {self.stream.partial}",
+                  file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -147,10 +151,8 @@ def _capture(device: torch.device, trace: Optional[str], rank: int):
             torch.cuda.cudart().cudaProfilerStop()
         if prof is not None:
             prof.__exit__(None, None, None)
-            Path(trace).mkdir(parents=True, exist_ok=True)
-            tmp = Path(trace) / f".rank{rank}.json.tmp"
-            prof.export_chrome_trace(str(tmp))
-            os.replace(tmp, Path(trace) / f"rank{rank}.json")
+            with atomic_path(Path(trace) / f"rank{rank}.json") as tmp:
+                prof.export_chrome_trace(str(tmp))
 
 
 def _progress(enabled: bool):
@@ -193,17 +195,16 @@ def bench_job(info: RankInfo, groups: list, opts: BenchOptions) -> int:
         for settings, case in cases:
             _bench_case(case, settings, info, opts, writer, run_id)
     except BaseException:
-        if writer is not None and writer._file is not None:
-            writer._file.close()
-            print(f"sinkprof bench: stopped early; the rows measured so far are in {writer.partial}", file=sys.stderr)
+        if writer is not None:
+            writer.abandon()
         raise
     if writer is not None:
         writer.close()
         from .report import print_summary
-        print_summary(writer.rows, len(cases))
+        print_summary(writer.rows)
         if opts.csv:
             print(f"sinkprof bench: wrote {opts.csv} ({len(writer.rows)} rows)")
-    return 0
+    return EXIT_OK
 
 
 def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptions, writer, run_id: str):
@@ -257,25 +258,29 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
 def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     """``--simulate``: every rank's compute schedule of a cp=N ring, one rank after another, on one
     device; the same CSV schema without communication rows."""
+    for cp in opts.simulate:
+        for settings in groups:
+            try:
+                Shape(settings.b, settings.s, settings.h, settings.g, settings.d).validate(cp)
+            except ValueError as exc:
+                raise ValueError(f"--simulate {cp}: {exc}") from None
     writer = RowWriter(opts.csv)
     run_id = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}-sim"
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
-    n_cases = 0
     for settings in groups:
         for case in expand(settings):
             if case.comm.value != "p2p":
                 raise ValueError(f"--simulate replays the p2p ring; case {case.label} uses {case.comm.value}")
             for cp in opts.simulate:
-                n_cases += 1
                 for rows in _simulate_case(case, settings, cp, device, opts):
                     meta = metadata(case, cp, device, get_kernel(settings.backend, device).name, True, opts.phase)
                     writer.append([dict(r, run_id=run_id, timestamp=stamp, **meta) for r in rows])
     writer.close()
     from .report import print_summary
-    print_summary(writer.rows, n_cases)
+    print_summary(writer.rows)
     if opts.csv:
         print(f"sinkprof bench: wrote {opts.csv} ({len(writer.rows)} rows)")
-    return 0
+    return EXIT_OK
 
 
 def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device, opts: BenchOptions):

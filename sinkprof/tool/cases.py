@@ -3,12 +3,15 @@ command line give them) crossed into ``Case``s.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Optional
 
-from ..options import (Comm as CommType, DTYPES, MaskType, QKVFormat, SinkGrad, SinkStrategy, SoftmaxType,
-                       make_spec)
+from ..dist import DEFAULT_TIMEOUT_S
+from ..options import (DTYPES, Comm as CommType, MaskType, QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size,
+                       check_heads, check_sink_strategy, make_spec, parse_dtype,
+                       window_pair)
 from ..testing import Shape
 
 
@@ -37,16 +40,16 @@ class Settings:
     seed: int = 0
 
     def validate(self) -> None:
-        """Raise ValueError naming the setting for anything a run would trip over later."""
+        """Raise ValueError naming the setting for anything a run would trip over later, with the
+        library's own checks (the ones ``cp_attention`` runs on the tensors)."""
         for name, enum in (("comm", CommType), ("softmax", SoftmaxType), ("mask", MaskType),
-                           ("qkv_format", QKVFormat), ("sink_strategy", SinkStrategy), ("sink_grad", SinkGrad)):
+                           ("qkv_format", QKVFormat), ("sink_grad", SinkGrad)):
             for value in getattr(self, name):
                 enum.parse(value, name)
-        if SinkStrategy.EVERY_TILE.value in self.sink_strategy:
-            raise ValueError("sink_strategy 'every-tile' is the known bug; inject it with --inject sink-every-tile")
+        for value in self.sink_strategy:
+            check_sink_strategy(value)
         for name in self.dtype:
-            if name not in DTYPES:
-                raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
+            parse_dtype(name)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r} is not supported; use cpu or cuda")
         if self.nproc < 1:
@@ -54,13 +57,15 @@ class Settings:
         Shape(self.b, self.s, self.h, self.g, self.d).validate(self.nproc)
         for mask in self.mask:
             make_spec("vanilla", mask, self.window, "bshd")
-        members = {"p2p": 1, "a2a": self.nproc, "a2a+p2p": self.a2a_size}
-        for comm in self.comm:
-            if comm == "a2a+p2p" and (self.a2a_size < 1 or self.nproc % self.a2a_size):
-                raise ValueError(f"a2a_size={self.a2a_size} must divide nproc={self.nproc} for comm a2a+p2p")
-            if self.h % members[comm] or self.g % members[comm]:
-                raise ValueError(f"comm {comm} splits heads over {members[comm]} ranks: h={self.h} and g={self.g} "
-                                 f"must both be divisible by {members[comm]}")
+        for comm in map(CommType, self.comm):
+            if comm is CommType.A2A_P2P:
+                check_a2a_size(self.a2a_size, self.nproc)
+            check_heads(self.h, self.g, a2a_members(comm, self.nproc, self.a2a_size))
+
+
+def a2a_members(comm: CommType, cp: int, a2a_size: int) -> int:
+    """Ranks of the inner a2a group: 1 for p2p, the whole group for a2a."""
+    return {CommType.P2P: 1, CommType.A2A: cp, CommType.A2A_P2P: a2a_size}[comm]
 
 
 @dataclass(frozen=True)
@@ -105,3 +110,56 @@ def expand(settings: Settings) -> list[Case]:
                               SinkGrad.parse(contract, "sink_grad"), settings.window, settings.bias, shape,
                               settings.a2a_size))
     return cases
+
+
+# What ``all`` means for each list setting on the command line.
+ALL = {"comm": tuple(c.value for c in CommType), "softmax": tuple(s.value for s in SoftmaxType),
+       "mask": tuple(m.value for m in MaskType), "qkv_format": tuple(f.value for f in QKVFormat),
+       "dtype": tuple(DTYPES), "sink_grad": tuple(g.value for g in SinkGrad),
+       "sink_strategy": tuple(s.value for s in SinkStrategy if s is not SinkStrategy.EVERY_TILE)}
+
+
+@dataclass(frozen=True)
+class CaseOptions:
+    """The case options ``check`` and ``bench`` share, as the command line gave them: None is
+    "not given" (the profile's value, else the ``Settings`` default); lists are comma strings."""
+
+    profile: Optional[str] = None
+    comm: Optional[str] = None
+    a2a_size: Optional[int] = None
+    softmax: Optional[str] = None
+    mask: Optional[str] = None
+    qkv_format: Optional[str] = None
+    dtype: Optional[str] = None
+    sink_strategy: Optional[str] = None
+    sink_grad: Optional[str] = None
+    window: Optional[str] = None
+    bias: Optional[bool] = None
+    b: Optional[int] = None
+    s: Optional[int] = None
+    h: Optional[int] = None
+    g: Optional[int] = None
+    d: Optional[int] = None
+    nproc: Optional[int] = None
+    device: Optional[str] = None
+    backend: Optional[str] = None
+    dist_backend: str = "auto"
+    seed: Optional[int] = None
+    timeout: float = DEFAULT_TIMEOUT_S
+    run_timeout: float = 900.0
+
+    def overrides(self) -> dict:
+        """The ``Settings`` fields given on the command line, parsed."""
+        out = {}
+        for f in dataclasses.fields(Settings):
+            value = getattr(self, f.name, None)
+            if value is None:
+                continue
+            if f.name in ALL:
+                value = tuple(v.strip() for v in value.split(",") if v.strip())
+                if value == ("all",):
+                    value = ALL[f.name]
+            elif f.name == "window":
+                value = window_pair(value, "--window")
+            out[f.name] = value
+        return out

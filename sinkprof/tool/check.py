@@ -26,7 +26,9 @@ from ..plan import chunk_ids, expected_comm, shard
 from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_inputs, reference,
                        shares_storage, tolerance_for)
 from .cases import Case, Settings, expand
+from .errors import EXIT_FAILED, EXIT_OK
 from .launcher import RankInfo
+from .output import Output
 
 
 @dataclass
@@ -170,49 +172,33 @@ def _reduce(case, cp, errors, tol, seconds, notes, info: RankInfo, comm, backend
     return CaseResult(case, cp, all(e.passed for e in reduced.values()), reduced, tol, vals[-1], notes, backend)
 
 
-@dataclass(frozen=True)
-class ReportOptions:
-    format: str = "table"          # table or json
-    output: Optional[str] = None   # a file, written whole; stdout when None
-
-
-def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: float,
-              report: ReportOptions) -> int:
+def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: float, output: Output) -> int:
     """The body every rank runs over every settings group; rank 0 reports; exit 0 only if all passed."""
     with faults.injected(fault):
         results = [run_case(case, info, settings.seed, settings.backend, timeout)
                    for settings in groups for case in expand(settings)]
     passed = all(r.passed for r in results)
     if info.rank == 0:
-        render(results, passed, info, groups[0], fault, report)
-    return 0 if passed else 1
+        report(results, passed, info, groups[0], fault, output)
+    return EXIT_OK if passed else EXIT_FAILED
 
 
-def render(results: list, passed: bool, info: RankInfo, settings: Settings, fault, report: ReportOptions) -> None:
-    import io
-    import json
-    import sys
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from .output import atomic_write_text
-
+def report(results: list, passed: bool, info: RankInfo, settings: Settings, fault, output: Output) -> None:
     doc = {"passed": passed, "cp": info.world, "device": str(info.device), "dist_backend": info.backend,
            "fault": fault.value if fault else None, "seed": settings.seed,
            "cases": [r.to_json() for r in results]}
-    if report.format == "json":
-        text = json.dumps(doc, indent=2) + "\n"
-    else:
-        table = Table(title=f"sinkprof check: cp={info.world} on {info.device} ({info.backend})"
-                            + (f", injected fault {fault.value}" if fault else ""))
+
+    def table(console):
+        from rich.table import Table
+        t = Table(title=f"sinkprof check: cp={info.world} on {info.device} ({info.backend})"
+                        + (f", injected fault {fault.value}" if fault else ""))
         cols = [n for n in NAMES if any(n in r.errors for r in results)]
-        table.add_column("case")
+        t.add_column("case")
         for n in cols:
-            table.add_column(n, justify="right")
-        table.add_column("atol/rtol")
-        table.add_column("time", justify="right")
-        table.add_column("result")
+            t.add_column(n, justify="right")
+        t.add_column("atol/rtol")
+        t.add_column("time", justify="right")
+        t.add_column("result")
         for r in results:
             cells = []
             for n in cols:
@@ -223,20 +209,14 @@ def render(results: list, passed: bool, info: RankInfo, settings: Settings, faul
                     cells.append("ok" if e.passed else "[red]FAIL[/red]")
                 else:
                     cells.append(f"{e.max_abs:.1e}" if e.passed else f"[red]{e.max_abs:.1e}[/red]")
-            table.add_row(r.case.label, *cells, f"{r.tolerance.atol:g}/{r.tolerance.rtol:g}", f"{r.seconds:.2f}s",
-                          "[green]pass[/green]" if r.passed else "[red]FAIL[/red]")
-        buf = io.StringIO()
-        console = Console(file=buf, width=200) if report.output else \
-            Console(width=None if sys.stdout.isatty() else 200)
-        console.print(table)
-        notes = [n for r in results for n in r.notes]
-        for n in notes:
+            t.add_row(r.case.label, *cells, f"{r.tolerance.atol:g}/{r.tolerance.rtol:g}", f"{r.seconds:.2f}s",
+                      "[green]pass[/green]" if r.passed else "[red]FAIL[/red]")
+        console.print(t)
+        for n in (n for r in results for n in r.notes):
             console.print(f"note: {n}")
         failed = sum(not r.passed for r in results)
         console.print(f"{len(results) - failed} passed, {failed} failed")
-        text = buf.getvalue()
-    if report.output:
-        atomic_write_text(report.output, text)
-        print(f"sinkprof check: {'passed' if passed else 'FAILED'}; wrote {report.output}")
-    elif report.format == "json":
-        sys.stdout.write(text)
+
+    output.emit(doc=doc, table=table)
+    if output.to_file:
+        print(f"sinkprof check: {'passed' if passed else 'FAILED'}; wrote {output.path}")

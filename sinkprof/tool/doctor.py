@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..kernels import BackendUnavailable, TorchTiles, get_kernel
 from ..options import DTYPE_NAMES, DTYPES, Band, Backend, Comm, QKVFormat, SoftmaxType
 from ..testing import tolerance_for
+from .output import Output
 
 
 @dataclass
@@ -144,6 +145,16 @@ def diagnose(device: Optional[str] = None) -> Report:
                         report.cells.append(Cell(comm.value, softmax.value, backend.value, dname, layout.value,
                                                  reason is None, reason or ""))
     return report
+
+
+def run(device: Optional[str], output: Output) -> None:
+    """The command: diagnose ``device`` (default: cuda when visible) and write the report."""
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible here")
+    report = diagnose(device)
+    output.emit(doc=report.to_json(), table=lambda console: render(report, console))
 
 
 def render(report: Report, console) -> None:

@@ -3,12 +3,14 @@ emulator, ``sinkprof.emulate``) against the reference, for every (cp, mask, stra
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..emulate import emulate_hierarchical, emulate_ring
-from ..options import MaskType, SinkStrategy, SoftmaxType, make_spec
+from ..options import MaskType, SinkStrategy, SoftmaxType, make_spec, window_pair
 from ..testing import Shape, make_inputs, reference
+from .errors import EXIT_FAILED, EXIT_OK
+from .output import Output
 
 
 @dataclass
@@ -52,3 +54,36 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
                                        err["dk"], err["dv"], err["d_sink"], ratio.min().item(), ratio.max().item(),
                                        passed, passed != (strategy is SinkStrategy.EVERY_TILE)))
     return rows
+
+
+def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: int, window: Optional[str],
+        output: Output) -> int:
+    """The command: replay, compare, write the rows; 0 when every row is as expected. ``window``
+    is the ``LEFT,RIGHT`` text of ``--window``."""
+    pair = None if window is None else window_pair(window, "--window")
+    for n in cps:
+        shape.validate(n)
+    if comm not in ("p2p", "a2a+p2p"):
+        raise ValueError(f"--comm {comm!r}: emulate replays p2p or a2a+p2p")
+    rows = emulate(cps, masks, strategies, shape, seed, pair, a2a_size if comm == "a2a+p2p" else None)
+    ok = all(r.ok for r in rows)
+
+    def table(console):
+        from rich.table import Table
+        t = Table(title=f"fp64 ring replay vs reference (tolerance {EMULATE_TOLERANCE:g}, b={shape.b} s={shape.s} "
+                        f"h={shape.h} g={shape.g} d={shape.d}, learnable sink randn*5)")
+        for col in ("comm", "cp", "mask", "strategy", "out", "dq", "dk", "dv", "d_sink", "d_sink ratio", "verdict"):
+            t.add_column(col, justify="right" if col not in ("mask", "strategy", "verdict") else "left")
+        for r in rows:
+            verdict = ("ok" if r.passed else "WRONG") if r.strategy != "every-tile" else \
+                ("bug detected" if not r.passed else "BUG NOT DETECTED")
+            style = "green" if r.ok else "red"
+            t.add_row(r.comm, str(r.cp), r.mask, r.strategy, *(f"{x:.1e}" for x in (
+                r.out_max_abs_err, r.dq_max_abs_err, r.dk_max_abs_err, r.dv_max_abs_err, r.dsink_max_abs_err)),
+                f"{r.dsink_ratio_min:.4f}..{r.dsink_ratio_max:.4f}", f"[{style}]{verdict}[/{style}]")
+        console.print(t)
+
+    output.emit(doc={"passed": ok, "tolerance": EMULATE_TOLERANCE, "shape": asdict(shape), "window": window,
+                     "seed": seed, "results": [asdict(r) for r in rows]},
+                rows=[asdict(r) for r in rows], table=table)
+    return EXIT_OK if ok else EXIT_FAILED

@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..dist import DEFAULT_TIMEOUT_S, CommError, where
-
-EXIT_FAILED = 1
+from .errors import EXIT_FAILED
 
 
 @dataclass
