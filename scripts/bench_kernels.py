@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sinkprof.kernels import get_kernel  # noqa: E402
 from sinkprof.options import Band, CPOptions, SinkStrategy, make_spec  # noqa: E402
 from sinkprof.plan import ring_plan, shard  # noqa: E402
-from sinkprof.ring import LocalDKV, LocalKV, run_backward, run_forward  # noqa: E402
+from sinkprof.ring import BackwardState, ForwardState, LocalDKV, LocalKV, run_backward, run_forward  # noqa: E402
 from sinkprof import fused  # noqa: E402
-from sinkprof.sink import finalize_, sink_grad  # noqa: E402
+from sinkprof.sink import fold_, sink_grad  # noqa: E402
 
 
 def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
@@ -114,7 +114,7 @@ def tile_bench(kernel, b, h, s, d, causal: bool) -> dict:
 
     def post_merge_fwd():  # one tile standing alone: the fold is a pass of its own over o
         o, lse = kernel.forward(q, k, v, band, None, None, scale)
-        finalize_(o, o, lse, sink)
+        fold_(o, o, lse, sink)
         return o, lse
 
     def post_merge_bwd():
@@ -177,10 +177,12 @@ def ring_bench(kernel, cp, b, h, g, s, d, causal: bool) -> list:
             dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
 
             def fwd(plan=plan, opts=opts, a=a, o_acc=o_acc, lse=lse, out=out):
-                run_forward(plan, qh, LocalKV(ks, vs), a, None, opts, o_acc, lse, out)
+                run_forward(plan, LocalKV(ks, vs), state=ForwardState(qh, o_acc, lse, out), sink=a, bias=None,
+                            opts=opts)
 
             def bwd(plan=plan, opts=opts, a=a, lse=lse, out=out, dq=dq, dks=dks, dvs=dvs):
-                run_backward(plan, qh, out, dol, lse, LocalKV(ks, vs), LocalDKV(dks, dvs), a, None, opts, dq)
+                run_backward(plan, LocalKV(ks, vs), LocalDKV(dks, dvs), state=BackwardState(qh, out, dol, lse, dq),
+                             sink=a, bias=None, opts=opts)
             name = f"{softmax} {strategy.value}"
             fwd()
             bwd()                                    # warm: every graph of this schedule built

@@ -11,22 +11,22 @@ import torch
 import torch.distributed as dist
 
 from . import faults
-from .dist import DEFAULT_TIMEOUT_S, Comm, SoloComm
+from .dist import DEFAULT_TIMEOUT_S, Communicator, SoloCommunicator
 from .hierarchical import CPGroups, hierarchical_attention, split_groups
 from .kernels import get_kernel
-from .options import (Comm as CommType, CPOptions, SinkGrad, check_bias, check_heads, check_offset, check_qkv,
+from .options import (CommType, CPOptions, SinkGrad, check_bias, check_heads, check_offset, check_qkv,
                       check_scale, check_sink_strategy, make_spec)
 
 _comms: dict = {}
 
 
-def comm_for(group=None, timeout: float = DEFAULT_TIMEOUT_S) -> Comm:
-    """One ``Comm`` per (group, timeout), so message counts and ring neighbours are computed once.
+def comm_for(group=None, timeout: float = DEFAULT_TIMEOUT_S) -> Communicator:
+    """One ``Communicator`` per (group, timeout), so message counts and ring neighbours are computed once.
     The key is the group object itself (the world's current one for None), so a re-initialised
-    process group never meets a stale ``Comm``."""
+    process group never meets a stale ``Communicator``."""
     key = (group if group is not None else dist.group.WORLD, timeout)
     if key not in _comms:
-        _comms[key] = Comm(group, timeout)
+        _comms[key] = Communicator(group, timeout)
     return _comms[key]
 
 
@@ -77,11 +77,11 @@ def cp_groups(comm_type: CommType, group, a2a_size: Optional[int], timeout: floa
     if comm_type is CommType.P2P:
         if a2a_size not in (None, 1):
             raise ValueError(f"a2a_size={a2a_size} only applies to comm='a2a+p2p'")
-        return CPGroups(SoloComm(), comm_for(group, timeout))
+        return CPGroups(SoloCommunicator(), comm_for(group, timeout))
     if comm_type is CommType.A2A:
         if a2a_size is not None and a2a_size != comm_for(group, timeout).size:
             raise ValueError(f"a2a_size={a2a_size}: comm='a2a' uses the whole group; use comm='a2a+p2p'")
-        return CPGroups(comm_for(group, timeout), SoloComm())
+        return CPGroups(comm_for(group, timeout), SoloCommunicator())
     if isinstance(group, tuple):
         if len(group) != 2 or a2a_size is not None:
             raise ValueError("comm='a2a+p2p' takes group=(a2a_group, p2p_group) or a2a_size, not both")

@@ -48,8 +48,8 @@ where = Where()
 class Pending:
     """In-flight p2p work; ``wait`` finishes it (copying staged data back) or raises ``CommError``."""
 
-    def __init__(self, works, recv: torch.Tensor, host_recv: Optional[torch.Tensor], comm: "Comm", what: str,
-                 token=None):
+    def __init__(self, works, recv: torch.Tensor, host_recv: Optional[torch.Tensor], comm: "Communicator",
+                 what: str, token=None):
         self.works, self.recv, self.host_recv, self.comm, self.what = works, recv, host_recv, comm, what
         self.token = token
 
@@ -64,7 +64,7 @@ class Pending:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
-class Comm:
+class Communicator:
     """A CP process group seen as a ring, with timeouts, host staging and message counts."""
 
     def __init__(self, group=None, timeout: float = DEFAULT_TIMEOUT_S):
@@ -148,7 +148,7 @@ class Comm:
         return t
 
 
-class SoloComm:
+class SoloCommunicator:
     """A group of one: the degenerate ring of a2a, where no message is ever sent."""
 
     size, rank = 1, 0

@@ -13,7 +13,7 @@ from .a2a import join_outer
 from .kernels import TorchTiles
 from .options import AttnSpec, CPOptions, SinkStrategy, accum_dtype, check_a2a_size, check_heads, check_scale
 from .plan import global_rows, ring_plan, shard, unshard
-from .ring import BiasTiles, LocalDKV, LocalKV, run_backward, run_forward
+from .ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
 from .sink import sink_logits
 from .testing import Inputs, Result
 
@@ -55,8 +55,9 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
         o_acc = torch.empty(qs[r].shape, dtype=acc, device=dev)
         lse = torch.empty((qs[r].shape[1 - sd], h, 2 * chunk), dtype=acc, device=dev)
         out = torch.empty_like(qs[r])
-        run_forward(plans[r], fmt.to_bhsd(qs[r]), LocalKV(bhsd(ks), bhsd(vs)), sink, biases[r], opts,
-                    fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out))
+        run_forward(plans[r], LocalKV(bhsd(ks), bhsd(vs)),
+                    state=ForwardState(fmt.to_bhsd(qs[r]), fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out)),
+                    sink=sink, bias=biases[r], opts=opts)
         outs.append(out)
         lses.append(lse)
 
@@ -66,9 +67,10 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
     dkv = LocalDKV(bhsd(dks), bhsd(dvs))
     parts = []
     for r in ranks:
-        parts.append(run_backward(plans[r], fmt.to_bhsd(qs[r]), fmt.to_bhsd(outs[r]), fmt.to_bhsd(dos[r]), lses[r],
-                                  LocalKV(bhsd(ks), bhsd(vs)), dkv, sink, biases[r], opts,
-                                  fmt.to_bhsd(dqs[r])))
+        state = BackwardState(fmt.to_bhsd(qs[r]), fmt.to_bhsd(outs[r]), fmt.to_bhsd(dos[r]), lses[r],
+                              fmt.to_bhsd(dqs[r]))
+        parts.append(run_backward(plans[r], LocalKV(bhsd(ks), bhsd(vs)), dkv, state=state, sink=sink,
+                                  bias=biases[r], opts=opts))
     d_offset = torch.stack(parts).sum(0) if inputs.offset is not None else None
     d_bias = torch.stack([b.grad for b in biases]).sum(0) if inputs.bias is not None else None
     result = Result(unshard(outs, sd), unshard(dqs, sd), unshard(dks, sd), unshard(dvs, sd), d_offset, d_bias,

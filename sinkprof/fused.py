@@ -144,7 +144,7 @@ def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: tor
 
 
 def fold_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: Optional[torch.Tensor]) -> None:
-    """``sink.finalize_`` in one pass: ``out = o * sigmoid(lse - a)`` and ``lse = lse'`` with a
+    """``sink.fold_`` in one pass: ``out = o * sigmoid(lse - a)`` and ``lse = lse'`` with a
     sink, ``out = o`` (cast to out's dtype) without."""
     b, h, s, d = o_acc.shape
     a = lse_acc if sink is None else sink.reshape(-1).to(torch.float32).contiguous()

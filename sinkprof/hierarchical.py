@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .a2a import GatherHeads, ScatterHeads
 from . import faults
-from .dist import Comm, SoloComm
+from .dist import Communicator, SoloCommunicator
 from .options import CPOptions, check_a2a_size
 from .ring import P2PAttention
 
@@ -46,12 +46,12 @@ def split_groups(group, a2a_size: int, timeout: float) -> CPGroups:
         members = ranks[o * a2a_size:(o + 1) * a2a_size]
         g = dist.new_group(members) if a2a_size > 1 else None
         if me in members:
-            inner = Comm(g, timeout) if a2a_size > 1 else SoloComm()
+            inner = Communicator(g, timeout) if a2a_size > 1 else SoloCommunicator()
     for i in range(a2a_size):
         members = ranks[i::a2a_size]
         g = dist.new_group(members) if outer_size > 1 else None
         if me in members:
-            outer = Comm(g, timeout) if outer_size > 1 else SoloComm()
+            outer = Communicator(g, timeout) if outer_size > 1 else SoloCommunicator()
     _groups[key] = CPGroups(inner, outer)
     return _groups[key]
 

@@ -76,7 +76,7 @@ class SinkGrad(_Choice):
     PARTIAL = "partial"
 
 
-class Comm(_Choice):
+class CommType(_Choice):
     P2P = "p2p"
     A2A = "a2a"
     A2A_P2P = "a2a+p2p"

@@ -26,7 +26,6 @@ DOMAIN = "sinkprof"
 class NullProbe:
     """Profiling off: every hook is a no-op (the ring pays one attribute lookup per step)."""
 
-    enabled = False
     _null = contextlib.nullcontext()
 
     def compute(self, phase: str, step: int):
@@ -81,8 +80,6 @@ class _Clock:
 
 class Probe:
     """Profiling on: NVTX + record_function ranges (each optional) and span timings."""
-
-    enabled = True
 
     def __init__(self, rank: int, device: torch.device, use_nvtx: bool = True, use_record_function: bool = True):
         self.rank = rank

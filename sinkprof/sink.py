@@ -56,7 +56,7 @@ def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: tor
     torch.logaddexp(lse_acc, lse.to(lse_acc.dtype), out=lse_acc)
 
 
-def finalize_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: Optional[torch.Tensor]) -> None:
+def fold_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: Optional[torch.Tensor]) -> None:
     """Write the merged result into ``out`` (the output dtype), folding the sink in once if given.
 
     ``lse' = logaddexp(lse, a)`` and ``o' = o * sigmoid(lse - a)`` (0 for an empty row); the

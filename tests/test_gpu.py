@@ -260,13 +260,13 @@ def test_fused_sink_kernels_match_the_torch_formulas_in_fp64(d, layout):
     assert torch.isneginf(lse_acc[..., 5:10]).all() and torch.isfinite(lse_acc[..., 10:]).all()
 
     plain = torch.empty_like(out)
-    sk.finalize_(plain, o_acc, lse_acc, None)                 # no sink: a cast, lse untouched
+    sk.fold_(plain, o_acc, lse_acc, None)                 # no sink: a cast, lse untouched
     assert torch.equal(plain, o_acc.to(torch.bfloat16))
     torch.testing.assert_close(cpu64(lse_acc), ref_lse, atol=1e-5, rtol=1e-5)
 
     ref_out = torch.empty_like(ref_acc)
-    sk.finalize_(ref_out, ref_acc, ref_lse, cpu64(sink))
-    sk.finalize_(out, o_acc, lse_acc, sink)
+    sk.fold_(ref_out, ref_acc, ref_lse, cpu64(sink))
+    sk.fold_(out, o_acc, lse_acc, sink)
     torch.testing.assert_close(cpu64(out), ref_out, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(cpu64(lse_acc), ref_lse, atol=1e-5, rtol=1e-5)   # empty rows end at a
 

@@ -1,7 +1,7 @@
 """The sink math: merge, fold and the sink gradient, against direct formulas in fp64."""
 import torch
 
-from sinkprof.sink import finalize_, merge_, sink_grad
+from sinkprof.sink import fold_, merge_, sink_grad
 
 NEG_INF = float("-inf")
 
@@ -46,7 +46,7 @@ def test_fold_equals_an_extra_softmax_column_with_zero_value():
     expected = torch.softmax(with_col, -1)[..., :-1] @ v
     o, lse = _attn(scores, v)
     out = torch.empty_like(o)
-    finalize_(out, o, lse, a)
+    fold_(out, o, lse, a)
     assert torch.allclose(out, expected, atol=1e-14, rtol=0)
     assert torch.allclose(lse, torch.logsumexp(with_col, -1), atol=1e-14, rtol=0)
 
@@ -56,7 +56,7 @@ def test_fold_on_an_empty_row_gives_zero_output_and_lse_equal_to_the_sink():
     lse = torch.full((1, 2, 1), NEG_INF, dtype=torch.float64)
     a = torch.tensor([1.5, -7.0], dtype=torch.float64).view(1, 2, 1, 1)
     out = torch.full_like(o, 7.0)
-    finalize_(out, o, lse, a)
+    fold_(out, o, lse, a)
     assert torch.equal(out, torch.zeros_like(o))
     assert torch.equal(lse.flatten(), a.flatten())
 

@@ -27,7 +27,7 @@ from ..faults import RANK_FAILURES, Fault
 from ..kernels import get_kernel
 from ..options import DTYPES, CPOptions, accum_dtype, check_scale, make_spec
 from ..plan import global_rows, ring_plan, shard
-from ..ring import BiasTiles, LocalDKV, LocalKV, run_backward, run_forward
+from ..ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
 from ..sink import sink_logits
 from ..testing import Shape, make_inputs
 from .cases import Case, Settings, expand
@@ -309,14 +309,14 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
         dkv = LocalDKV(torch.zeros(ks[0].shape, dtype=acc, device=device),
                         torch.zeros(vs[0].shape, dtype=acc, device=device))
         rows: list = []
+        fwd_state = ForwardState(fmt.to_bhsd(q), fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out))
+        bwd_state = BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), do, lse, fmt.to_bhsd(dq))
 
         def fwd(_inject):
-            run_forward(plan, fmt.to_bhsd(q), LocalKV(ks, vs), sink, bias, copts, fmt.to_bhsd(o_acc), lse,
-                        fmt.to_bhsd(out))
+            run_forward(plan, LocalKV(ks, vs), state=fwd_state, sink=sink, bias=bias, opts=copts)
 
         def bwd(_out):
-            run_backward(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), do, lse, LocalKV(ks, vs), dkv, sink, bias, copts,
-                         fmt.to_bhsd(dq))
+            run_backward(plan, LocalKV(ks, vs), dkv, state=bwd_state, sink=sink, bias=bias, opts=copts)
 
         probe = profiling.Probe(rank, device, use_nvtx=opts.nvtx)
         with _capture(device, None, rank):

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..dist import DEFAULT_TIMEOUT_S
-from ..options import (DTYPES, Comm as CommType, MaskType, QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size,
-                       check_heads, check_sink_strategy, make_spec, parse_dtype,
-                       window_pair)
+from ..options import (DTYPES, CommType, MaskType, QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size,
+                       check_heads, check_sink_strategy, make_spec, parse_dtype, window_pair)
 from ..testing import Shape
 
 

@@ -21,7 +21,7 @@ from ..context_parallel import comm_for, cp_attention, cp_groups
 from ..dist import where
 from ..faults import Fault
 from ..kernels import get_kernel
-from ..options import Comm as CommType, DTYPES, SinkGrad, make_spec
+from ..options import CommType, DTYPES, SinkGrad, make_spec
 from ..plan import chunk_ids, expected_comm, shard
 from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_inputs, reference,
                        shares_storage, tolerance_for)

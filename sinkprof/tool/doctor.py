@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import BackendUnavailable, TorchTiles, get_kernel
-from ..options import DTYPE_NAMES, DTYPES, Band, Backend, Comm, QKVFormat, SoftmaxType
+from ..options import DTYPE_NAMES, DTYPES, Band, Backend, CommType, QKVFormat, SoftmaxType
 from ..testing import tolerance_for
 from .output import Output
 
@@ -121,7 +121,7 @@ def _probe_kernel(backend: Backend, softmax: SoftmaxType, dtype: torch.dtype, la
     return None
 
 
-def _comm_reason(comm: Comm, device: torch.device) -> Optional[str]:
+def _comm_reason(device: torch.device) -> Optional[str]:
     if device.type == "cuda" and not dist.is_nccl_available() and not dist.is_gloo_available():
         return "neither NCCL nor gloo is available"
     if device.type == "cpu" and not dist.is_gloo_available():
@@ -140,8 +140,8 @@ def diagnose(device: Optional[str] = None) -> Report:
                     key = (backend, softmax, dtype, layout)
                     if key not in cache:
                         cache[key] = _probe_kernel(backend, softmax, dtype, layout, dev)
-                    for comm in Comm:
-                        reason = cache[key] or _comm_reason(comm, dev)
+                    for comm in CommType:
+                        reason = cache[key] or _comm_reason(dev)
                         report.cells.append(Cell(comm.value, softmax.value, backend.value, dname, layout.value,
                                                  reason is None, reason or ""))
     return report
@@ -174,10 +174,10 @@ def render(report: Report, console) -> None:
             reasons.append(c.reason)
         rows.setdefault(key, {})[c.comm] = f"[red]no ({reasons.index(c.reason) + 1})[/red]"
     table = Table(title=f"capabilities on {report.environment['device']}")
-    for col in ("backend", "softmax", "dtype", "layout", *[c.value for c in Comm]):
+    for col in ("backend", "softmax", "dtype", "layout", *[c.value for c in CommType]):
         table.add_column(col)
     for key, cells in rows.items():
-        table.add_row(*key, *(cells[c.value] for c in Comm))
+        table.add_row(*key, *(cells[c.value] for c in CommType))
     console.print(table)
     for i, r in enumerate(reasons, 1):
         console.print(f"({i}) {r}")
