@@ -1,4 +1,5 @@
-"""a2a (Ulysses) re-layout: trade a sequence shard of every head for more sequence of fewer heads.
+"""a2a (Ulysses) re-layout: trade a sequence shard of every head for more sequence of fewer heads
+(docs/design.md, section 6).
 
 Inside a group of A ranks, each holding its load-balanced shard (world chunks w and 2W-1-w),
 ``scatter_heads`` gives every member head group i (of A) for the rows of the whole group. Those

@@ -1,7 +1,8 @@
 """``sinkprof.cp_attention``: context-parallel attention with a sink, on a load-balanced shard.
 
 Validates the public arguments once, builds a ``CPOptions`` and hands the tensors to the module
-of the chosen communication scheme.
+of the chosen communication scheme. The sink-gradient contract (``ReplicatedGrad``) is in
+docs/design.md, section 5.
 """
 from __future__ import annotations
 

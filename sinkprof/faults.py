@@ -4,7 +4,8 @@ A check that cannot fail proves nothing, so the tool injects known bugs and expe
 catch them. The library never branches on a fault: at the few places where such a bug would live
 it asks ``faults.active``, a ``NoFault`` whose hooks hand back what they were given. ``injected``
 swaps in an ``Injected`` fault for the duration of a block (the same pattern as
-``profiling.installed``), so the ring, a2a and ``cp_attention`` read as the algorithm.
+``profiling.installed``), so the ring, a2a and ``cp_attention`` read as the algorithm
+(docs/design.md, section 9).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""a2a and a2a+p2p: the a2a re-layout inside an inner group around the p2p ring of an outer group.
+"""a2a and a2a+p2p: the a2a re-layout inside an inner group around the p2p ring of an outer group
+(docs/design.md, section 6).
 
 With an inner group of A ranks and an outer ring of O groups (A*O ranks, inner groups on
 consecutive ranks, the fast links), each rank gathers head group i of the inner group's rows,

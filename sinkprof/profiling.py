@@ -1,4 +1,5 @@
-"""Profiling hooks of the ring: NVTX ranges, ``torch.profiler`` ranges and per-step timings.
+"""Profiling hooks of the ring: NVTX ranges, ``torch.profiler`` ranges and per-step timings
+(docs/design.md, section 8).
 
 The ring loops and the communication layer call ``profiling.active``, a ``NullProbe`` unless a
 benchmark installed a ``Probe``: then each ring step gets one range for its compute and one for

@@ -1,4 +1,4 @@
-"""The p2p ring: one rank's forward and backward over the ring plan (DESIGN.md section 3).
+"""The p2p ring: one rank's forward and backward over the ring plan (docs/design.md, section 3).
 
 The loops here know nothing about communication: they ask a ``KVSource`` for the K/V of each
 step and a ``DKVSink`` for where that step's dK/dV go. The distributed ring (``cp_p2p``) hands
