@@ -25,7 +25,7 @@ from ..context_parallel import cp_attention
 from ..dist import DEFAULT_TIMEOUT_S, where
 from ..faults import RANK_FAILURES, Fault
 from ..kernels import get_kernel
-from ..options import DTYPES, CPOptions, accum_dtype, check_scale, make_spec
+from ..options import DTYPES, CommType, CPOptions, accum_dtype, check_scale, make_spec
 from ..plan import global_rows, ring_plan, shard
 from ..ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
 from ..sink import sink_logits
@@ -95,7 +95,7 @@ def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simul
         "sink_strategy": case.sink_strategy.value if case.softmax.has_sink else "",
         "mask": case.mask.value, "window": "" if case.window is None else f"{case.window[0]},{case.window[1]}",
         "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
-        "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm.value == "a2a+p2p" else "",
+        "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm is CommType.A2A_P2P else "",
         "backend": backend_name, "merges": _merges(device), "simulated": simulated,
         "flops": useful_flops(case, phase),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -219,7 +219,7 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
     offset = x.offset.requires_grad_() if x.offset is not None else None
     bias = x.bias.requires_grad_() if x.bias is not None else None
     grad_out = shard(x.grad_out, cp, rank, sd)
-    a2a_size = case.a2a_size if case.comm.value == "a2a+p2p" else None
+    a2a_size = case.a2a_size if case.comm is CommType.A2A_P2P else None
     backend_name = get_kernel(settings.backend, device).name
     meta = metadata(case, cp, device, backend_name, False, opts.phase)
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
@@ -269,7 +269,7 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     for settings in groups:
         for case in expand(settings):
-            if case.comm.value != "p2p":
+            if case.comm is not CommType.P2P:
                 raise ValueError(f"--simulate replays the p2p ring; case {case.label} uses {case.comm.value}")
             for cp in opts.simulate:
                 for rows in _simulate_case(case, settings, cp, device, opts):
