@@ -25,7 +25,7 @@ from ..options import CommType, DTYPES, SinkGrad, make_spec
 from ..plan import chunk_ids, expected_comm, shard
 from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_inputs, reference,
                        shares_storage, tolerance_for)
-from .cases import Case, Settings, expand
+from .cases import Case, Settings, a2a_members, expand
 from .errors import EXIT_FAILED, EXIT_OK
 from .launcher import RankInfo
 from .output import Output
@@ -61,7 +61,7 @@ NAMES = ("out", "dq", "dk", "dv", "d_sink", "d_sink_sum", "d_bias", "d_bias_sum"
 def own_part(comm: CommType, shape: Shape, cp: int, rank: int, a2a_size: int) -> tuple:
     """(rows, heads) masks of what a rank computes, so its ``partial`` gradients can be checked:
     its shard's rows under p2p, its heads under a2a, its group's rows and its heads under a2a+p2p."""
-    members = {CommType.P2P: 1, CommType.A2A: cp, CommType.A2A_P2P: a2a_size}[comm]
+    members = a2a_members(comm, cp, a2a_size)
     group, inner = divmod(rank, members)
     rows = torch.zeros(shape.s, dtype=torch.bool)
     chunk = shape.s // (2 * cp)
