@@ -37,7 +37,7 @@ from sinkprof import fused  # noqa: E402
 from sinkprof.kernels import get_kernel, unavailable_reason  # noqa: E402
 from sinkprof.options import Band, CPOptions, SinkStrategy, make_spec  # noqa: E402
 from sinkprof.plan import ring_plan, shard  # noqa: E402
-from sinkprof.ring import LocalDKV, LocalKV, run_backward, run_forward  # noqa: E402
+from sinkprof.ring import BackwardState, ForwardState, LocalDKV, LocalKV, run_backward, run_forward  # noqa: E402
 from sinkprof.sink import fold_, sink_grad  # noqa: E402
 
 BWD_FLOPS = 2.5     # a backward counted as 2.5 forwards
@@ -179,11 +179,14 @@ def _ring_fns(kernel, plan, qh, dol, ks, vs, sink, softmax, strategy, mask, d):
     dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
     dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
 
+    fwd_state = ForwardState(qh, o_acc, lse, out)
+    bwd_state = BackwardState(qh, out, dol, lse, dq)
+
     def fwd():
-        run_forward(plan, qh, LocalKV(ks, vs), a, None, opts, o_acc, lse, out)
+        run_forward(plan, LocalKV(ks, vs), state=fwd_state, sink=a, bias=None, opts=opts)
 
     def bwd():
-        run_backward(plan, qh, out, dol, lse, LocalKV(ks, vs), LocalDKV(dks, dvs), a, None, opts, dq)
+        run_backward(plan, LocalKV(ks, vs), LocalDKV(dks, dvs), state=bwd_state, sink=a, bias=None, opts=opts)
     return fwd, bwd
 
 

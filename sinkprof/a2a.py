@@ -1,10 +1,11 @@
-"""a2a (Ulysses) re-layout: trade a sequence shard of every head for more sequence of fewer heads.
+"""a2a (Ulysses) re-layout: trade a sequence shard of every head for more sequence of fewer heads
+(docs/design.md, section 6).
 
 Inside a group of A ranks, each holding its load-balanced shard (world chunks w and 2W-1-w),
 ``scatter_heads`` gives every member head group i (of A) for the rows of the whole group. Those
 rows are exactly the load-balanced shard of the group in a ring of groups: with world chunks of c
 rows, group o holds outer chunks o and 2O-1-o of A*c rows each. So a2a is this re-layout around a
-one-rank "ring" (``SoloComm``), and a2a+p2p is the same re-layout around a real ring of groups.
+one-rank "ring" (``SoloCommunicator``), and a2a+p2p is the same re-layout around a real ring of groups.
 
 Both functions are autograd-aware: the backward of one is the other.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .dist import Comm
+from .dist import Communicator
 
 
 def join_outer(pieces: list, seq_dim: int) -> torch.Tensor:
@@ -35,7 +36,7 @@ def split_outer(y: torch.Tensor, members: int, seq_dim: int) -> list:
             for i in range(members)]
 
 
-def _scatter(x: torch.Tensor, comm: Comm, seq_dim: int, head_dim: int, phase: str) -> torch.Tensor:
+def _scatter(x: torch.Tensor, comm: Communicator, seq_dim: int, head_dim: int, phase: str) -> torch.Tensor:
     a = comm.size
     inp = x.unflatten(head_dim, (a, x.shape[head_dim] // a)).movedim(head_dim, 0).contiguous()
     out = torch.empty_like(inp)
@@ -43,7 +44,7 @@ def _scatter(x: torch.Tensor, comm: Comm, seq_dim: int, head_dim: int, phase: st
     return join_outer(list(out.unbind(0)), seq_dim)
 
 
-def _gather(y: torch.Tensor, comm: Comm, seq_dim: int, head_dim: int, phase: str) -> torch.Tensor:
+def _gather(y: torch.Tensor, comm: Communicator, seq_dim: int, head_dim: int, phase: str) -> torch.Tensor:
     inp = torch.stack(split_outer(y, comm.size, seq_dim))
     out = torch.empty_like(inp)
     comm.all_to_all(out, inp, phase, "a2a gather heads")

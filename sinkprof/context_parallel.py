@@ -1,7 +1,8 @@
 """``sinkprof.cp_attention``: context-parallel attention with a sink, on a load-balanced shard.
 
 Validates the public arguments once, builds a ``CPOptions`` and hands the tensors to the module
-of the chosen communication scheme.
+of the chosen communication scheme. The sink-gradient contract (``ReplicatedGrad``) is in
+docs/design.md, section 5.
 """
 from __future__ import annotations
 
@@ -10,22 +11,23 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .dist import DEFAULT_TIMEOUT_S, Comm, SoloComm
-from .hierarchical import CPGroups, check_heads, hierarchical_attention, split_groups
+from . import faults
+from .dist import DEFAULT_TIMEOUT_S, Communicator, SoloCommunicator
+from .hierarchical import CPGroups, hierarchical_attention, split_groups
 from .kernels import get_kernel
-from .options import (Comm as CommType, CPOptions, Fault, SinkGrad, SinkStrategy, check_bias, check_offset,
-                      check_qkv, check_scale, make_spec)
+from .options import (CommType, CPOptions, SinkGrad, check_bias, check_heads, check_offset, check_qkv,
+                      check_scale, check_sink_strategy, make_spec)
 
 _comms: dict = {}
 
 
-def comm_for(group=None, timeout: float = DEFAULT_TIMEOUT_S) -> Comm:
-    """One ``Comm`` per (group, timeout), so message counts and ring neighbours are computed once.
+def comm_for(group=None, timeout: float = DEFAULT_TIMEOUT_S) -> Communicator:
+    """One ``Communicator`` per (group, timeout), so message counts and ring neighbours are computed once.
     The key is the group object itself (the world's current one for None), so a re-initialised
-    process group never meets a stale ``Comm``."""
+    process group never meets a stale ``Communicator``."""
     key = (group if group is not None else dist.group.WORLD, timeout)
     if key not in _comms:
-        _comms[key] = Comm(group, timeout)
+        _comms[key] = Communicator(group, timeout)
     return _comms[key]
 
 
@@ -47,22 +49,9 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     ``a2a+p2p`` (a2a inside groups of ``a2a_size`` consecutive ranks, a ring across them; or pass
     ``group=(a2a_group, p2p_group)``).
     """
-    return _cp_attention(q, k, v, softmax_offset, group=group, comm=comm, softmax_type=softmax_type, mask=mask,
-                         window=window, bias=bias, scale=scale, qkv_format=qkv_format, backend=backend,
-                         sink_strategy=sink_strategy, sink_grad=sink_grad, a2a_size=a2a_size, timeout=timeout)
-
-
-def _cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softmax_type="vanilla",
-                  mask="no_mask", window=None, bias=None, scale=None, qkv_format="bshd", backend="auto",
-                  sink_strategy="step0", sink_grad="full", a2a_size: Optional[int] = None,
-                  timeout: float = DEFAULT_TIMEOUT_S, fault: Optional[Fault] = None):
-    """``cp_attention`` plus the faults ``sinkprof check`` injects."""
     spec = make_spec(softmax_type, mask, window, qkv_format)
     comm_type = CommType.parse(comm, "comm")
-    strategy = SinkStrategy.parse(sink_strategy, "sink_strategy")
-    if strategy is SinkStrategy.EVERY_TILE:
-        raise ValueError("sink_strategy='every-tile' is the known bug (the sink counted once per tile); "
-                         "use 'step0' or 'post-merge'")
+    strategy = check_sink_strategy(sink_strategy)
     grad_contract = SinkGrad.parse(sink_grad, "sink_grad")
     dims = check_qkv(q, k, v, spec.qkv_format)
     if dims.s_q != dims.s_kv:
@@ -76,7 +65,7 @@ def _cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softm
     full = dims.s_q * world
     check_bias(bias, dims.b, dims.h, full, full, q.device)
     check_heads(dims.h, dims.g, groups.inner.size)
-    opts = CPOptions(spec, check_scale(scale, dims.d), get_kernel(backend, q.device), strategy, grad_contract, fault)
+    opts = CPOptions(spec, check_scale(scale, dims.d), get_kernel(backend, q.device), strategy, grad_contract)
     if softmax_offset is not None:
         softmax_offset = ReplicatedGrad.apply(softmax_offset, groups, opts, "sink gradient all-reduce")
     if bias is not None:
@@ -89,11 +78,11 @@ def cp_groups(comm_type: CommType, group, a2a_size: Optional[int], timeout: floa
     if comm_type is CommType.P2P:
         if a2a_size not in (None, 1):
             raise ValueError(f"a2a_size={a2a_size} only applies to comm='a2a+p2p'")
-        return CPGroups(SoloComm(), comm_for(group, timeout))
+        return CPGroups(SoloCommunicator(), comm_for(group, timeout))
     if comm_type is CommType.A2A:
         if a2a_size is not None and a2a_size != comm_for(group, timeout).size:
             raise ValueError(f"a2a_size={a2a_size}: comm='a2a' uses the whole group; use comm='a2a+p2p'")
-        return CPGroups(comm_for(group, timeout), SoloComm())
+        return CPGroups(comm_for(group, timeout), SoloCommunicator())
     if isinstance(group, tuple):
         if len(group) != 2 or a2a_size is not None:
             raise ValueError("comm='a2a+p2p' takes group=(a2a_group, p2p_group) or a2a_size, not both")
@@ -115,7 +104,7 @@ class ReplicatedGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         opts = ctx.opts
-        if opts.sink_grad is SinkGrad.FULL and opts.fault is not Fault.NO_SINK_REDUCE:
+        if opts.sink_grad is SinkGrad.FULL and faults.active.reduces_replicated_grads():
             grad = grad.clone()
             for comm in (ctx.groups.inner, ctx.groups.outer):  # inner then outer: every CP rank once
                 if comm.size > 1:

@@ -1,4 +1,4 @@
-"""``sinkprof emulate``: the exact ring schedule of every rank, replayed in one process in fp64.
+"""The emulator: the exact ring schedule of every rank, replayed in one process (fp64 for the checks).
 
 K/V "communication" is indexing into the other ranks' shards, and dK/dV are added straight into
 their owner's accumulators; the loops themselves are the distributed ring's (``ring.run_*``).
@@ -6,18 +6,16 @@ their owner's accumulators; the loops themselves are the distributed ring's (``r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from .kernels import TorchTiles
-from .options import (AttnSpec, CPOptions, MaskType, SinkStrategy, SoftmaxType, accum_dtype, check_scale,
-                      make_spec)
 from .a2a import join_outer
+from .kernels import TorchTiles
+from .options import AttnSpec, CPOptions, SinkStrategy, accum_dtype, check_a2a_size, check_heads, check_scale
 from .plan import global_rows, ring_plan, shard, unshard
-from .ring import BiasTiles, LocalDKV, LocalKV, run_backward, run_forward
+from .ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
 from .sink import sink_logits
-from .testing import Inputs, Result, Shape, make_inputs, reference
+from .testing import Inputs, Result
 
 
 @dataclass
@@ -57,8 +55,9 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
         o_acc = torch.empty(qs[r].shape, dtype=acc, device=dev)
         lse = torch.empty((qs[r].shape[1 - sd], h, 2 * chunk), dtype=acc, device=dev)
         out = torch.empty_like(qs[r])
-        run_forward(plans[r], fmt.to_bhsd(qs[r]), LocalKV(bhsd(ks), bhsd(vs)), sink, biases[r], opts,
-                    fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out))
+        run_forward(plans[r], LocalKV(bhsd(ks), bhsd(vs)),
+                    state=ForwardState(fmt.to_bhsd(qs[r]), fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out)),
+                    sink=sink, bias=biases[r], opts=opts)
         outs.append(out)
         lses.append(lse)
 
@@ -68,9 +67,10 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
     dkv = LocalDKV(bhsd(dks), bhsd(dvs))
     parts = []
     for r in ranks:
-        parts.append(run_backward(plans[r], fmt.to_bhsd(qs[r]), fmt.to_bhsd(outs[r]), fmt.to_bhsd(dos[r]), lses[r],
-                                  LocalKV(bhsd(ks), bhsd(vs)), dkv, sink, biases[r], opts,
-                                  fmt.to_bhsd(dqs[r])))
+        state = BackwardState(fmt.to_bhsd(qs[r]), fmt.to_bhsd(outs[r]), fmt.to_bhsd(dos[r]), lses[r],
+                              fmt.to_bhsd(dqs[r]))
+        parts.append(run_backward(plans[r], LocalKV(bhsd(ks), bhsd(vs)), dkv, state=state, sink=sink,
+                                  bias=biases[r], opts=opts))
     d_offset = torch.stack(parts).sum(0) if inputs.offset is not None else None
     d_bias = torch.stack([b.grad for b in biases]).sum(0) if inputs.bias is not None else None
     result = Result(unshard(outs, sd), unshard(dqs, sd), unshard(dks, sd), unshard(dvs, sd), d_offset, d_bias,
@@ -83,12 +83,10 @@ def emulate_hierarchical(inputs: Inputs, spec: AttnSpec, world: int, a2a_size: i
     """a2a+p2p in one process: the a2a re-layout is indexing (``join_outer`` of the inner group's
     shards, the same function the distributed a2a uses), then one ring over the outer groups per
     inner head group. ``world`` ranks, inner groups of ``a2a_size``."""
-    if a2a_size < 1 or world % a2a_size:
-        raise ValueError(f"a2a_size={a2a_size} must divide cp={world}")
+    check_a2a_size(a2a_size, world)
     outer = world // a2a_size
     h, g = inputs.q.shape[2], inputs.k.shape[2]
-    if h % a2a_size or g % a2a_size:
-        raise ValueError(f"a2a over {a2a_size} ranks needs h={h} and g={g} divisible by {a2a_size}")
+    check_heads(h, g, a2a_size)
     sd = spec.qkv_format.seq_dim
     for x in (inputs.q, inputs.k):  # the re-layout lands every group on its outer load-balanced shard
         for o in range(outer):
@@ -114,46 +112,3 @@ def emulate_hierarchical(inputs: Inputs, spec: AttnSpec, world: int, a2a_size: i
                     torch.cat([r.d_offset for r in res], 1) if inputs.offset is not None else None, d_bias,
                     torch.cat([r.lse for r in res], 1))
     return EmulatedRing(result, [p for r in runs for p in r.d_sink_parts])
-
-
-@dataclass
-class EmulateRow:
-    comm: str
-    cp: int
-    mask: str
-    strategy: str
-    out_max_abs_err: float
-    dq_max_abs_err: float
-    dk_max_abs_err: float
-    dv_max_abs_err: float
-    dsink_max_abs_err: float
-    dsink_ratio_min: float
-    dsink_ratio_max: float
-    passed: bool      # matches the reference to EMULATE_TOLERANCE
-    ok: bool          # as expected: correct strategies pass, the every-tile bug is detected
-
-
-EMULATE_TOLERANCE = 1e-12
-
-
-def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_size: Optional[int] = None) -> list[EmulateRow]:
-    """Every (cp, mask, strategy) against the fp64 reference, with a learnable sink of ``randn * 5``.
-
-    With ``a2a_size`` the schedule is a2a+p2p: cp ranks in inner groups of ``a2a_size``."""
-    rows = []
-    for mask in masks:
-        spec = make_spec(SoftmaxType.LEARNABLE, mask, window, "bshd")
-        for cp in cps:
-            shape.validate(cp)
-            inputs = make_inputs(shape, spec, seed)
-            ref = reference(inputs, spec)
-            for strategy in strategies:
-                got = (emulate_ring(inputs, spec, cp, strategy) if a2a_size is None else
-                       emulate_hierarchical(inputs, spec, cp, a2a_size, strategy)).result
-                err = {k: (got.named()[k] - v).abs().max().item() for k, v in ref.named().items()}
-                ratio = (got.d_offset / ref.d_offset).flatten()
-                passed = max(err.values()) <= EMULATE_TOLERANCE
-                rows.append(EmulateRow("p2p" if a2a_size is None else f"a2a+p2p({a2a_size})", cp, MaskType.parse(mask, "mask").value, strategy.value, err["out"], err["dq"],
-                                       err["dk"], err["dv"], err["d_sink"], ratio.min().item(), ratio.max().item(),
-                                       passed, passed != (strategy is SinkStrategy.EVERY_TILE)))
-    return rows

@@ -1,4 +1,5 @@
-"""a2a and a2a+p2p: the a2a re-layout inside an inner group around the p2p ring of an outer group.
+"""a2a and a2a+p2p: the a2a re-layout inside an inner group around the p2p ring of an outer group
+(docs/design.md, section 6).
 
 With an inner group of A ranks and an outer ring of O groups (A*O ranks, inner groups on
 consecutive ranks, the fast links), each rank gathers head group i of the inner group's rows,
@@ -13,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from .a2a import GatherHeads, ScatterHeads
-from .dist import Comm, SoloComm
-from .options import CPOptions, Fault
+from . import faults
+from .dist import Communicator, SoloCommunicator
+from .options import CPOptions, check_a2a_size
 from .ring import P2PAttention
 
 
@@ -37,8 +39,7 @@ def split_groups(group, a2a_size: int, timeout: float) -> CPGroups:
         return _groups[key]
     ranks = dist.get_process_group_ranks(base)
     world = len(ranks)
-    if a2a_size < 1 or world % a2a_size:
-        raise ValueError(f"a2a_size={a2a_size} must divide the CP group size {world}")
+    check_a2a_size(a2a_size, world)
     outer_size = world // a2a_size
     me = dist.get_rank()
     inner = outer = None
@@ -46,20 +47,14 @@ def split_groups(group, a2a_size: int, timeout: float) -> CPGroups:
         members = ranks[o * a2a_size:(o + 1) * a2a_size]
         g = dist.new_group(members) if a2a_size > 1 else None
         if me in members:
-            inner = Comm(g, timeout) if a2a_size > 1 else SoloComm()
+            inner = Communicator(g, timeout) if a2a_size > 1 else SoloCommunicator()
     for i in range(a2a_size):
         members = ranks[i::a2a_size]
         g = dist.new_group(members) if outer_size > 1 else None
         if me in members:
-            outer = Comm(g, timeout) if outer_size > 1 else SoloComm()
+            outer = Communicator(g, timeout) if outer_size > 1 else SoloCommunicator()
     _groups[key] = CPGroups(inner, outer)
     return _groups[key]
-
-
-def check_heads(h: int, g: int, members: int) -> None:
-    if h % members or g % members:
-        raise ValueError(f"a2a over {members} ranks needs the head counts divisible by {members}: "
-                         f"q has h={h} heads and k, v have g={g}; use an a2a size that divides both")
 
 
 def hierarchical_attention(q, k, v, offset: Optional[torch.Tensor], bias: Optional[torch.Tensor], opts: CPOptions,
@@ -68,16 +63,15 @@ def hierarchical_attention(q, k, v, offset: Optional[torch.Tensor], bias: Option
     inner, outer = groups.inner, groups.outer
     fmt = opts.spec.qkv_format
     sd, hd = fmt.seq_dim, 2
-    h, g = q.shape[hd], k.shape[hd]
+    h = q.shape[hd]
     members = inner.size
-    check_heads(h, g, members)
     if members == 1:
         return P2PAttention.apply(q, k, v, offset, bias, opts, outer)
     per = h // members
     mine = slice(inner.rank * per, (inner.rank + 1) * per)
     q_o = ScatterHeads.apply(q, inner, sd, hd)
     kv_o = ScatterHeads.apply(torch.stack([k, v]), inner, sd + 1, hd + 1)
-    sink_heads = slice(0, per) if opts.fault is Fault.SKIP_SINK_SLICE else mine
+    sink_heads = faults.active.sink_heads(mine, per)
     offset_o = offset[:, sink_heads] if offset is not None else None
     bias_o = bias[:, mine] if bias is not None and bias.shape[1] != 1 else bias
     out_o = P2PAttention.apply(q_o, kv_o[0], kv_o[1], offset_o, bias_o, opts, outer)

@@ -76,7 +76,7 @@ class SinkGrad(_Choice):
     PARTIAL = "partial"
 
 
-class Comm(_Choice):
+class CommType(_Choice):
     P2P = "p2p"
     A2A = "a2a"
     A2A_P2P = "a2a+p2p"
@@ -173,13 +173,21 @@ class AttnSpec:
         return Band(None if left is None else -left, right)
 
 
+def window_pair(window, arg: str = "window") -> tuple[int, int]:
+    """``(left, right)`` ints from a pair or a ``"LEFT,RIGHT"`` string (what a user types)."""
+    try:
+        left, right = (int(w) for w in (window.split(",") if isinstance(window, str) else window))
+    except (TypeError, ValueError):
+        raise ValueError(f"{arg}={window!r} must be a pair LEFT,RIGHT of ints, -1 meaning unbounded "
+                         f"(e.g. 128,0)") from None
+    return left, right
+
+
 def parse_window(window, mask: MaskType) -> tuple[Optional[int], Optional[int]]:
+    """A user's ``window=(left, right)`` (-1 unbounded) as ``AttnSpec.window`` (None unbounded)."""
     if window is None:
         return (None, None)
-    try:
-        left, right = (int(w) for w in window)
-    except (TypeError, ValueError):
-        raise ValueError(f"window={window!r} must be a pair (left, right) of ints, -1 meaning unbounded") from None
+    left, right = window_pair(window)
     for name, w in (("left", left), ("right", right)):
         if w < -1:
             raise ValueError(f"window {name}={w} must be >= 0, or -1 for unbounded")
@@ -273,6 +281,29 @@ def check_bias(bias, b: int, h: int, s_q: int, s_kv: int, device) -> None:
         raise ValueError(f"bias is on {bias.device} but q is on {device}")
 
 
+def check_sink_strategy(value, arg: str = "sink_strategy") -> SinkStrategy:
+    """A sink strategy a run may use: ``every-tile`` is the known bug, only the emulator replays it."""
+    strategy = SinkStrategy.parse(value, arg)
+    if strategy is SinkStrategy.EVERY_TILE:
+        raise ValueError(f"{arg}='every-tile' is the known bug (the sink counted once per tile); "
+                         f"use 'step0' or 'post-merge'")
+    return strategy
+
+
+def check_a2a_size(a2a_size: int, world: int) -> None:
+    """Inner a2a groups of ``a2a_size`` consecutive ranks must tile the CP group."""
+    if a2a_size < 1 or world % a2a_size:
+        raise ValueError(f"a2a_size={a2a_size} must divide the CP group size {world}")
+
+
+def check_heads(h: int, g: int, members: int) -> None:
+    """a2a over ``members`` ranks gives each a share of the query and of the K/V heads."""
+    if h % members or g % members:
+        raise ValueError(f"a2a over {members} ranks splits the heads: q has h={h} heads and k, v have g={g}, "
+                         f"but h={h} and g={g} must both be divisible by {members}; "
+                         f"use an a2a size that divides both")
+
+
 def check_scale(scale, d: int) -> float:
     if scale is None:
         return d ** -0.5
@@ -280,18 +311,6 @@ def check_scale(scale, d: int) -> float:
     if not scale > 0 or scale == float("inf"):
         raise ValueError(f"scale={scale} must be a positive finite number (default d ** -0.5)")
     return scale
-
-
-class Fault(_Choice):
-    """Bugs ``sinkprof check`` can inject to prove that it fails when they are present."""
-
-    SINK_EVERY_TILE = "sink-every-tile"      # the sink enters every ring tile (counted per tile)
-    NO_SINK_REDUCE = "no-sink-reduce"        # the full contract skips its all-reduce
-    ALIASED_REFERENCE = "aliased-reference"  # the reference shares storage with the CP gradients
-    VANILLA_FALLBACK = "vanilla-fallback"    # the tiles drop the softmax type (TE's p2p bug)
-    SKIP_SINK_SLICE = "skip-sink-slice"      # a2a gives every rank the first heads' sinks
-    STALL = "stall"                          # rank 1 stops answering in the forward ring
-    CRASH = "crash"                          # rank 1 dies in the forward ring
 
 
 @dataclass(frozen=True)
@@ -303,4 +322,3 @@ class CPOptions:
     kernel: object                               # a kernels.TileKernel
     sink_strategy: SinkStrategy = SinkStrategy.STEP0
     sink_grad: SinkGrad = SinkGrad.FULL
-    fault: Optional[Fault] = None

@@ -1,4 +1,4 @@
-"""The load-balanced ring plan, as pure data (DESIGN.md section 3).
+"""The load-balanced ring plan, as pure data (docs/design.md, section 3).
 
 The sequence is cut into ``2 * cp`` chunks of ``c`` rows; rank r holds chunks r and 2cp-1-r
 (its *local shard*, 2c rows, chunk r first). At ring step i rank r computes against the K/V shard
@@ -232,8 +232,8 @@ class CommCount:
 
 
 def expected_comm(cp: int) -> list[CommCount]:
-    """The comm-count contract: K/V forward for steps 0..cp-2 in both phases, dK/dV after every
-    backward step (the last one carries each shard's gradient home)."""
+    """The comm-count contract (docs/design.md, section 5): K/V forward for steps 0..cp-2 in both
+    phases, dK/dV after every backward step (the last one carries each shard's gradient home)."""
     if cp == 1:
         return []
     counts = [CommCount("fwd", i, "kv", 1) for i in range(cp - 1)]

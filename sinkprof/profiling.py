@@ -1,4 +1,5 @@
-"""Profiling hooks of the ring: NVTX ranges, ``torch.profiler`` ranges and per-step timings.
+"""Profiling hooks of the ring: NVTX ranges, ``torch.profiler`` ranges and per-step timings
+(docs/design.md, section 8).
 
 The ring loops and the communication layer call ``profiling.active``, a ``NullProbe`` unless a
 benchmark installed a ``Probe``: then each ring step gets one range for its compute and one for
@@ -26,7 +27,6 @@ DOMAIN = "sinkprof"
 class NullProbe:
     """Profiling off: every hook is a no-op (the ring pays one attribute lookup per step)."""
 
-    enabled = False
     _null = contextlib.nullcontext()
 
     def compute(self, phase: str, step: int):
@@ -81,8 +81,6 @@ class _Clock:
 
 class Probe:
     """Profiling on: NVTX + record_function ranges (each optional) and span timings."""
-
-    enabled = True
 
     def __init__(self, rank: int, device: torch.device, use_nvtx: bool = True, use_record_function: bool = True):
         self.rank = rank

@@ -1,4 +1,4 @@
-"""The p2p ring: one rank's forward and backward over the ring plan (DESIGN.md section 3).
+"""The p2p ring: one rank's forward and backward over the ring plan (docs/design.md, section 3).
 
 The loops here know nothing about communication: they ask a ``KVSource`` for the K/V of each
 step and a ``DKVSink`` for where that step's dK/dV go. The distributed ring (``cp_p2p``) hands
@@ -10,12 +10,13 @@ Tensors in the loops are ``[b, h, s, d]`` views (``[b, h, s]`` for lse), accumul
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
 
-from . import profiling
-from .options import CPOptions, Fault, SinkStrategy, accum_dtype
+from . import faults, profiling
+from .options import CPOptions, SinkStrategy, accum_dtype
 from .plan import RankPlan, Step, Tile, global_rows, ring_plan
 from .sink import fold_, merge_, sink_grad, sink_logits
 
@@ -86,26 +87,44 @@ def tile_sink(tile: Tile, sink: Optional[torch.Tensor], strategy: SinkStrategy) 
     return sink if (tile.sink or strategy is SinkStrategy.EVERY_TILE) else None
 
 
-def effective_strategy(opts: CPOptions) -> SinkStrategy:
-    return SinkStrategy.EVERY_TILE if opts.fault is Fault.SINK_EVERY_TILE else opts.sink_strategy
+@dataclass(frozen=True)
+class ForwardState:
+    """One rank's forward tensors (``[b, h, 2c, d]`` views; lse ``[b, h, 2c]``)."""
+
+    q: torch.Tensor
+    o_acc: torch.Tensor       # merged output so far (accumulator dtype); step 0 writes every row first
+    lse_acc: torch.Tensor     # merged log-sum-exp so far; sink-inclusive once ``run_forward`` returns
+    out: torch.Tensor         # the output, in q's dtype
 
 
-def run_forward(plan: RankPlan, q: torch.Tensor, kv: KVSource, sink: Optional[torch.Tensor],
-                bias: Optional[BiasTiles], opts: CPOptions, o_acc: torch.Tensor, lse_acc: torch.Tensor,
-                out: torch.Tensor) -> None:
+@dataclass(frozen=True)
+class BackwardState:
+    """One rank's backward tensors: the forward's final ``out`` and ``lse`` drive every tile."""
+
+    q: torch.Tensor
+    out: torch.Tensor
+    grad_out: torch.Tensor
+    lse: torch.Tensor         # final, sink-inclusive
+    dq_acc: torch.Tensor      # accumulator dtype
+
+
+def run_forward(plan: RankPlan, kv: KVSource, *, state: ForwardState, sink: Optional[torch.Tensor],
+                bias: Optional[BiasTiles], opts: CPOptions) -> None:
     """Merge every tile of every step into the accumulators, then write ``out`` (the output dtype),
     folding the sink in once under ``post-merge``. ``lse_acc`` ends sink-inclusive."""
-    strategy = effective_strategy(opts)
+    strategy = faults.active.sink_strategy(opts.sink_strategy)
     for step in plan.steps:
         k, v = kv.get(step)
         with profiling.active.compute("fwd", step.index):
-            _forward_tiles(step, q, k, v, sink, bias, opts, strategy, o_acc, lse_acc)
+            _forward_tiles(step, k=k, v=v, state=state, sink=sink, bias=bias, opts=opts, strategy=strategy)
     fold = sink if strategy is SinkStrategy.POST_MERGE else None
-    fold_(out, o_acc, lse_acc, fold)
+    fold_(state.out, state.o_acc, state.lse_acc, fold)
 
 
-def _forward_tiles(step, q, k, v, sink, bias, opts, strategy, o_acc, lse_acc) -> None:
+def _forward_tiles(step: Step, *, k, v, state: ForwardState, sink, bias, opts: CPOptions,
+                   strategy: SinkStrategy) -> None:
     """One forward step: every tile, merged into the accumulators."""
+    q, o_acc, lse_acc = state.q, state.o_acc, state.lse_acc
     for t, tile in enumerate(step.tiles):
         o, lse = opts.kernel.forward(q[:, :, tile.q_rows], k[:, :, tile.kv_rows], v[:, :, tile.kv_rows],
                                      tile.band, tile_sink(tile, sink, strategy),
@@ -117,26 +136,28 @@ def _forward_tiles(step, q, k, v, sink, bias, opts, strategy, o_acc, lse_acc) ->
             merge_(o_acc[:, :, tile.q_rows], lse_acc[:, :, tile.q_rows], o, lse)
 
 
-def run_backward(plan: RankPlan, q: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
-                 kv: KVSource, dkv: DKVSink, sink: Optional[torch.Tensor], bias: Optional[BiasTiles],
-                 opts: CPOptions, dq_acc: torch.Tensor) -> Optional[torch.Tensor]:
+def run_backward(plan: RankPlan, kv: KVSource, dkv: DKVSink, *, state: BackwardState,
+                 sink: Optional[torch.Tensor], bias: Optional[BiasTiles], opts: CPOptions) -> Optional[torch.Tensor]:
     """Recompute every tile with the final ``lse`` and ``out``; return this rank's rows' sink gradient."""
-    strategy = effective_strategy(opts)
+    strategy = faults.active.sink_strategy(opts.sink_strategy)
     from_tiles = sink is not None and strategy is not SinkStrategy.POST_MERGE
     d_sink = torch.zeros_like(sink) if from_tiles else None
     for step in plan.backward_steps:
         k, v = kv.get(step)
         dk, dv = dkv.start(step)
         with profiling.active.compute("bwd", step.index):
-            _backward_tiles(step, q, out, grad_out, lse, k, v, dk, dv, sink, bias, opts, strategy, dq_acc, d_sink)
+            _backward_tiles(step, k=k, v=v, dk=dk, dv=dv, state=state, sink=sink, bias=bias, opts=opts,
+                            strategy=strategy, d_sink=d_sink)
         dkv.finish(step)
     if sink is not None and not from_tiles:
-        d_sink = sink_grad(out, grad_out, lse, sink)
+        d_sink = sink_grad(state.out, state.grad_out, state.lse, sink)
     return d_sink
 
 
-def _backward_tiles(step, q, out, grad_out, lse, k, v, dk, dv, sink, bias, opts, strategy, dq_acc, d_sink) -> None:
+def _backward_tiles(step: Step, *, k, v, dk, dv, state: BackwardState, sink, bias, opts: CPOptions,
+                    strategy: SinkStrategy, d_sink) -> None:
     """One backward step: every tile's gradients added to dq, this step's dK/dV and the sink's."""
+    q, out, grad_out, lse, dq_acc = state.q, state.out, state.grad_out, state.lse, state.dq_acc
     for t, tile in enumerate(step.tiles):
         rows, cols = tile.q_rows, tile.kv_rows
         grads = opts.kernel.backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
@@ -155,8 +176,8 @@ def _backward_tiles(step, q, out, grad_out, lse, k, v, dk, dv, sink, bias, opts,
 class RingKV:
     """K/V of each step over the ring: step i+1's exchange is in flight while step i computes."""
 
-    def __init__(self, comm, k: torch.Tensor, v: torch.Tensor, fmt, phase: str, fault: Optional[Fault] = None):
-        self.comm, self.fmt, self.phase, self.fault = comm, fmt, phase, fault
+    def __init__(self, comm, k: torch.Tensor, v: torch.Tensor, fmt, phase: str):
+        self.comm, self.fmt, self.phase = comm, fmt, phase
         self.bufs = [torch.stack([k, v])]
         self.bufs.append(torch.empty_like(self.bufs[0]))
         self.pending = None
@@ -166,8 +187,7 @@ class RingKV:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-        if self.fault in (Fault.STALL, Fault.CRASH) and self.phase == "fwd" and i == 0 and self.comm.rank == 1:
-            _inject_rank_failure(self.fault)
+        faults.active.on_ring_step(self.comm.rank, self.phase, i)
         cur = self.bufs[i % 2]
         if i + 1 < self.comm.size:
             self.pending = self.comm.exchange(cur, self.bufs[(i + 1) % 2], "kv", self.phase, i)
@@ -207,15 +227,6 @@ class RingDKV:
         return self.incoming[self.last % 2]
 
 
-def _inject_rank_failure(fault: Fault) -> None:
-    import os
-    import time
-    if fault is Fault.CRASH:
-        os._exit(17)
-    while True:  # Fault.STALL: stop answering; the peers' timeouts must catch it
-        time.sleep(60)
-
-
 class P2PAttention(torch.autograd.Function):
     """Ring attention over ``comm`` on this rank's load-balanced shard (user layout in and out)."""
 
@@ -226,14 +237,14 @@ class P2PAttention(torch.autograd.Function):
         plan = ring_plan(comm.size, comm.rank, chunk, opts.spec.band)
         acc = accum_dtype(q.dtype)
         h = q.shape[2]
-        sink = None if opts.fault is Fault.VANILLA_FALLBACK else \
-            sink_logits(opts.spec.softmax_type, offset, h, q.device)
+        sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, h, q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, chunk, acc)
         o_acc = torch.empty(q.shape, dtype=acc, device=q.device)      # step 0 writes every row first
         lse = torch.empty((q.shape[1 - fmt.seq_dim], h, 2 * chunk), dtype=acc, device=q.device)
         out = torch.empty_like(q)
-        run_forward(plan, fmt.to_bhsd(q), RingKV(comm, k, v, fmt, "fwd", opts.fault), sink, bias_tiles, opts,
-                    fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out))
+        run_forward(plan, RingKV(comm, k, v, fmt, "fwd"),
+                    state=ForwardState(fmt.to_bhsd(q), fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out)),
+                    sink=sink, bias=bias_tiles, opts=opts)
         ctx.save_for_backward(q, k, v, out, lse, offset, bias)
         ctx.opts, ctx.comm, ctx.plan, ctx.sink_is_param = opts, comm, plan, offset is not None
         return out
@@ -244,13 +255,14 @@ class P2PAttention(torch.autograd.Function):
         opts, comm, plan = ctx.opts, ctx.comm, ctx.plan
         fmt = opts.spec.qkv_format
         acc = accum_dtype(q.dtype)
-        sink = None if opts.fault is Fault.VANILLA_FALLBACK else \
-            sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device)
+        sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, plan.chunk, acc)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = RingDKV(comm, k.shape, acc, q.device, fmt)
-        d_sink = run_backward(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), fmt.to_bhsd(grad_out), lse,
-                              RingKV(comm, k, v, fmt, "bwd"), dkv, sink, bias_tiles, opts, fmt.to_bhsd(dq))
+        d_sink = run_backward(plan, RingKV(comm, k, v, fmt, "bwd"), dkv,
+                              state=BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), fmt.to_bhsd(grad_out), lse,
+                                                  fmt.to_bhsd(dq)),
+                              sink=sink, bias=bias_tiles, opts=opts)
         dk, dv = dkv.home()
         d_offset = d_bias = None
         if ctx.sink_is_param:  # this rank's rows' part; the CP contract is applied by `replicated`

@@ -1,4 +1,4 @@
-"""The sink math, in one place (DESIGN.md section 2).
+"""The sink math, in one place (docs/design.md, section 2).
 
 Layout here: ``o`` is ``[b, h, s, d]`` (any strides), ``lse`` is ``[b, h, s]`` in natural log,
 the sink ``a`` is ``[1, h, 1, 1]``. All arithmetic runs in the accumulators' dtype (fp32, or fp64

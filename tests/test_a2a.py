@@ -6,7 +6,7 @@ import torch
 
 from sinkprof.a2a import join_outer, split_outer
 from sinkprof.emulate import emulate_hierarchical
-from sinkprof.hierarchical import check_heads
+from sinkprof.options import check_heads
 from sinkprof.options import SinkStrategy, make_spec
 from sinkprof.plan import shard
 from sinkprof.testing import Shape, make_inputs, reference

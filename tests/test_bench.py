@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 
 from sinkprof import profiling
-from sinkprof.bench import COLUMNS, BenchOptions, simulate
-from sinkprof.check import Settings
-from sinkprof.report import iteration_table, load, report, step_table
+from sinkprof.tool.bench import COLUMNS, BenchOptions, simulate
+from sinkprof.tool.cases import Settings
+from sinkprof.tool.report import iteration_table, load, report, step_table
 
 pytestmark = pytest.mark.slow
 

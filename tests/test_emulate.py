@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from sinkprof.emulate import emulate, emulate_ring
+from sinkprof.emulate import emulate_ring
+from sinkprof.tool.emulate import emulate
 from sinkprof.options import SinkStrategy, make_spec
 from sinkprof.testing import Shape, make_inputs, reference
 

@@ -1,4 +1,4 @@
-"""Tile kernels behind one interface (DESIGN.md section 5).
+"""Tile kernels behind one interface (docs/design.md, section 7).
 
 A tile is one rectangle of the attention matrix: ``q`` ``[b, h, n_q, d]`` against ``k``, ``v``
 ``[b, g, n_kv, d]`` (strided views are fine), with visibility given by a ``Band``. The forward

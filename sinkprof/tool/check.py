@@ -8,7 +8,6 @@ against the plan (the comm-count contract).
 """
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -16,110 +15,20 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .a2a import expected_a2a_comm
-from .context_parallel import _cp_attention, comm_for, cp_groups
-from .dist import RankInfo, where
-from .kernels import get_kernel
-from .options import (Comm as CommType, DTYPES, Fault, MaskType, QKVFormat, SinkGrad, SinkStrategy,
-                      SoftmaxType, make_spec)
-from .plan import chunk_ids, expected_comm, shard
-from .testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_inputs, reference,
-                      shares_storage, tolerance_for)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """One run of ``check``: lists are crossed into cases. The defaults are the embedded CPU default."""
-
-    comm: tuple = ("p2p",)
-    softmax: tuple = ("vanilla", "off-by-one", "learnable")
-    mask: tuple = ("causal", "no_mask")
-    qkv_format: tuple = ("bshd",)
-    dtype: tuple = ("fp64", "bf16")
-    sink_strategy: tuple = ("step0",)
-    sink_grad: tuple = ("full",)
-    window: Optional[tuple] = None
-    bias: bool = False
-    a2a_size: int = 2
-    b: int = 2
-    s: int = 64
-    h: int = 4
-    g: int = 2
-    d: int = 16
-    nproc: int = 2
-    device: str = "cpu"
-    backend: str = "auto"
-    seed: int = 0
-
-    def validate(self) -> None:
-        """Raise ValueError naming the setting for anything a run would trip over later."""
-        for name, enum in (("comm", CommType), ("softmax", SoftmaxType), ("mask", MaskType),
-                           ("qkv_format", QKVFormat), ("sink_strategy", SinkStrategy), ("sink_grad", SinkGrad)):
-            for value in getattr(self, name):
-                enum.parse(value, name)
-        if SinkStrategy.EVERY_TILE.value in self.sink_strategy:
-            raise ValueError("sink_strategy 'every-tile' is the known bug; inject it with --inject sink-every-tile")
-        for name in self.dtype:
-            if name not in DTYPES:
-                raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device {self.device!r} is not supported; use cpu or cuda")
-        if self.nproc < 1:
-            raise ValueError(f"nproc={self.nproc} must be >= 1")
-        Shape(self.b, self.s, self.h, self.g, self.d).validate(self.nproc)
-        for mask in self.mask:
-            make_spec("vanilla", mask, self.window, "bshd")
-        members = {"p2p": 1, "a2a": self.nproc, "a2a+p2p": self.a2a_size}
-        for comm in self.comm:
-            if comm == "a2a+p2p" and (self.a2a_size < 1 or self.nproc % self.a2a_size):
-                raise ValueError(f"a2a_size={self.a2a_size} must divide nproc={self.nproc} for comm a2a+p2p")
-            if self.h % members[comm] or self.g % members[comm]:
-                raise ValueError(f"comm {comm} splits heads over {members[comm]} ranks: h={self.h} and g={self.g} "
-                                 f"must both be divisible by {members[comm]}")
-
-
-@dataclass(frozen=True)
-class Case:
-    comm: CommType
-    softmax: SoftmaxType
-    mask: MaskType
-    qkv_format: QKVFormat
-    dtype: str
-    sink_strategy: SinkStrategy
-    sink_grad: SinkGrad
-    window: Optional[tuple]
-    bias: bool
-    shape: Shape
-    a2a_size: int = 2
-
-    @property
-    def label(self) -> str:
-        comm = f"a2a+p2p({self.a2a_size})" if self.comm is CommType.A2A_P2P else self.comm.value
-        parts = [comm, self.softmax.value, self.mask.value, self.qkv_format.value, self.dtype]
-        if self.softmax.has_sink:
-            parts += [self.sink_strategy.value, f"grad={self.sink_grad.value}"]
-        if self.window is not None:
-            parts.append(f"window={self.window[0]},{self.window[1]}")
-        if self.bias:
-            parts.append("bias")
-        return "/".join(parts)
-
-
-def expand(settings: Settings) -> list[Case]:
-    """The cross product of the settings' lists; sink options only multiply cases that have a sink."""
-    shape = Shape(settings.b, settings.s, settings.h, settings.g, settings.d)
-    cases = []
-    for comm, softmax, mask, fmt, dtype in itertools.product(settings.comm, settings.softmax, settings.mask,
-                                                             settings.qkv_format, settings.dtype):
-        sm = SoftmaxType.parse(softmax, "softmax")
-        strategies = settings.sink_strategy if sm.has_sink else settings.sink_strategy[:1]
-        contracts = settings.sink_grad if sm.has_sink or settings.bias else settings.sink_grad[:1]
-        for strategy, contract in itertools.product(strategies, contracts):
-            cases.append(Case(CommType.parse(comm, "comm"), sm, MaskType.parse(mask, "mask"),
-                              QKVFormat.parse(fmt, "qkv_format"), dtype, SinkStrategy.parse(strategy, "sink_strategy"),
-                              SinkGrad.parse(contract, "sink_grad"), settings.window, settings.bias, shape,
-                              settings.a2a_size))
-    return cases
+from .. import faults
+from ..a2a import expected_a2a_comm
+from ..context_parallel import comm_for, cp_attention, cp_groups
+from ..dist import where
+from ..faults import Fault
+from ..kernels import get_kernel
+from ..options import CommType, DTYPES, SinkGrad, make_spec
+from ..plan import chunk_ids, expected_comm, shard
+from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_inputs, reference,
+                       shares_storage, tolerance_for)
+from .cases import Case, Settings, a2a_members, expand
+from .errors import EXIT_FAILED, EXIT_OK
+from .launcher import RankInfo
+from .output import Output
 
 
 @dataclass
@@ -152,7 +61,7 @@ NAMES = ("out", "dq", "dk", "dv", "d_sink", "d_sink_sum", "d_bias", "d_bias_sum"
 def own_part(comm: CommType, shape: Shape, cp: int, rank: int, a2a_size: int) -> tuple:
     """(rows, heads) masks of what a rank computes, so its ``partial`` gradients can be checked:
     its shard's rows under p2p, its heads under a2a, its group's rows and its heads under a2a+p2p."""
-    members = {CommType.P2P: 1, CommType.A2A: cp, CommType.A2A_P2P: a2a_size}[comm]
+    members = a2a_members(comm, cp, a2a_size)
     group, inner = divmod(rank, members)
     rows = torch.zeros(shape.s, dtype=torch.bool)
     chunk = shape.s // (2 * cp)
@@ -165,7 +74,7 @@ def own_part(comm: CommType, shape: Shape, cp: int, rank: int, a2a_size: int) ->
     return rows, heads
 
 
-def run_case(case: Case, info: RankInfo, seed: int, backend: str, fault: Optional[Fault], timeout: float) -> CaseResult:
+def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float) -> CaseResult:
     """One case on this rank; every rank returns the same (reduced) result."""
     where.case, where.phase, where.step, where.op = case.label, "setup", -1, "reference"
     cp, rank, device = info.world, info.rank, info.device
@@ -196,14 +105,11 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, fault: Optiona
         c.counts.clear()
 
     t0 = time.perf_counter()
-    out = _cp_attention(q, k, v, offset, comm=case.comm.value, softmax_type=case.softmax, mask=case.mask,
-                        window=case.window, bias=bias, qkv_format=case.qkv_format, backend=backend,
-                        sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=timeout, fault=fault,
-                        a2a_size=a2a_size)
-    if fault is Fault.ALIASED_REFERENCE and offset is not None:
-        # The seed bug: the "reference" gradient is the very tensor the CP backward accumulates into.
-        offset.grad = ref.d_offset.to(offset.dtype)
-        ref.d_offset = offset.grad
+    out = cp_attention(q, k, v, offset, comm=case.comm, softmax_type=case.softmax, mask=case.mask,
+                       window=case.window, bias=bias, qkv_format=case.qkv_format, backend=backend,
+                       sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=timeout,
+                       a2a_size=a2a_size)
+    faults.active.alias_reference(offset, ref)
     out.backward(grad_out)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -266,48 +172,33 @@ def _reduce(case, cp, errors, tol, seconds, notes, info: RankInfo, comm, backend
     return CaseResult(case, cp, all(e.passed for e in reduced.values()), reduced, tol, vals[-1], notes, backend)
 
 
-@dataclass(frozen=True)
-class ReportOptions:
-    format: str = "table"          # table or json
-    output: Optional[str] = None   # a file, written whole; stdout when None
-
-
-def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: float,
-              report: ReportOptions) -> int:
+def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: float, output: Output) -> int:
     """The body every rank runs over every settings group; rank 0 reports; exit 0 only if all passed."""
-    results = [run_case(case, info, settings.seed, settings.backend, fault, timeout)
-               for settings in groups for case in expand(settings)]
+    with faults.injected(fault):
+        results = [run_case(case, info, settings.seed, settings.backend, timeout)
+                   for settings in groups for case in expand(settings)]
     passed = all(r.passed for r in results)
     if info.rank == 0:
-        render(results, passed, info, groups[0], fault, report)
-    return 0 if passed else 1
+        report(results, passed, info, groups[0], fault, output)
+    return EXIT_OK if passed else EXIT_FAILED
 
 
-def render(results: list, passed: bool, info: RankInfo, settings: Settings, fault, report: ReportOptions) -> None:
-    import io
-    import json
-    import sys
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from .files import atomic_write_text
-
+def report(results: list, passed: bool, info: RankInfo, settings: Settings, fault, output: Output) -> None:
     doc = {"passed": passed, "cp": info.world, "device": str(info.device), "dist_backend": info.backend,
            "fault": fault.value if fault else None, "seed": settings.seed,
            "cases": [r.to_json() for r in results]}
-    if report.format == "json":
-        text = json.dumps(doc, indent=2) + "\n"
-    else:
-        table = Table(title=f"sinkprof check: cp={info.world} on {info.device} ({info.backend})"
-                            + (f", injected fault {fault.value}" if fault else ""))
+
+    def table(console):
+        from rich.table import Table
+        t = Table(title=f"sinkprof check: cp={info.world} on {info.device} ({info.backend})"
+                        + (f", injected fault {fault.value}" if fault else ""))
         cols = [n for n in NAMES if any(n in r.errors for r in results)]
-        table.add_column("case")
+        t.add_column("case")
         for n in cols:
-            table.add_column(n, justify="right")
-        table.add_column("atol/rtol")
-        table.add_column("time", justify="right")
-        table.add_column("result")
+            t.add_column(n, justify="right")
+        t.add_column("atol/rtol")
+        t.add_column("time", justify="right")
+        t.add_column("result")
         for r in results:
             cells = []
             for n in cols:
@@ -318,20 +209,14 @@ def render(results: list, passed: bool, info: RankInfo, settings: Settings, faul
                     cells.append("ok" if e.passed else "[red]FAIL[/red]")
                 else:
                     cells.append(f"{e.max_abs:.1e}" if e.passed else f"[red]{e.max_abs:.1e}[/red]")
-            table.add_row(r.case.label, *cells, f"{r.tolerance.atol:g}/{r.tolerance.rtol:g}", f"{r.seconds:.2f}s",
-                          "[green]pass[/green]" if r.passed else "[red]FAIL[/red]")
-        buf = io.StringIO()
-        console = Console(file=buf, width=200) if report.output else \
-            Console(width=None if sys.stdout.isatty() else 200)
-        console.print(table)
-        notes = [n for r in results for n in r.notes]
-        for n in notes:
+            t.add_row(r.case.label, *cells, f"{r.tolerance.atol:g}/{r.tolerance.rtol:g}", f"{r.seconds:.2f}s",
+                      "[green]pass[/green]" if r.passed else "[red]FAIL[/red]")
+        console.print(t)
+        for n in (n for r in results for n in r.notes):
             console.print(f"note: {n}")
         failed = sum(not r.passed for r in results)
         console.print(f"{len(results) - failed} passed, {failed} failed")
-        text = buf.getvalue()
-    if report.output:
-        atomic_write_text(report.output, text)
-        print(f"sinkprof check: {'passed' if passed else 'FAILED'}; wrote {report.output}")
-    elif report.format == "json":
-        sys.stdout.write(text)
+
+    output.emit(doc=doc, table=table)
+    if output.to_file:
+        print(f"sinkprof check: {'passed' if passed else 'FAILED'}; wrote {output.path}")

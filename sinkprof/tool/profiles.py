@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .check import Settings
+from .cases import CaseOptions, Settings
+from .launcher import under_torchrun
+from .output import Output
 
 LIST_FIELDS = {f.name for f in dataclasses.fields(Settings) if f.type == "tuple"}
 FIELDS = {f.name for f in dataclasses.fields(Settings)}
-META = {"description"}
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Profile:
 
 def profile_dirs() -> list[Path]:
     dirs = [Path(p) for p in os.environ.get("SINKPROF_PROFILES", "").split(os.pathsep) if p]
-    dirs.append(Path(__file__).resolve().parent.parent / "profiles")
+    dirs.append(Path(__file__).resolve().parents[2] / "profiles")
     return dirs
 
 
@@ -91,3 +92,52 @@ def find(name: Optional[str]) -> Profile:
         raise ValueError(f"--profile {name!r} is unknown; available: {', '.join(known) or 'none'} "
                          f"(or pass a path to a .toml file)")
     return load(known[name], name)
+
+
+def settings_for(options: CaseOptions, nproc: Optional[int] = None) -> list[Settings]:
+    """The validated ``Settings`` groups of a ``check`` or ``bench`` run: the profile, then the
+    command line (``nproc`` overrides ``options.nproc``; under torchrun the world size is it)."""
+    if options.dist_backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"--dist-backend {options.dist_backend!r}: use auto, gloo or nccl")
+    overrides = options.overrides()
+    if nproc is not None:
+        overrides["nproc"] = nproc
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if overrides.get("nproc", world) != world:
+            raise ValueError(f"--nproc {overrides['nproc']} differs from torchrun's WORLD_SIZE={world}; drop --nproc")
+        overrides["nproc"] = world
+    try:
+        groups = find(options.profile).resolve(overrides)
+        for settings in groups:
+            settings.validate()
+    except TypeError as exc:  # a profile value of the wrong type
+        raise ValueError(f"--profile {options.profile!r}: {exc}") from None
+    first = groups[0]
+    if any(gr.nproc != first.nproc or gr.device != first.device for gr in groups):
+        raise ValueError("all [[cases]] of a profile must share nproc and device")
+    if first.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible here; use --device cpu")
+    return groups
+
+
+def show(name: Optional[str], output: Output) -> None:
+    """The command: list the profiles, or show the settings groups of one."""
+    def table(console):
+        from rich.table import Table
+        if name is None:
+            t = Table(title="profiles")
+            for col in ("name", "description", "file"):
+                t.add_column(col)
+            for n, path in available().items():
+                t.add_row(n, find(n).description, str(path))
+            console.print(t)
+            return
+        console.print(f"[bold]{prof.name}[/bold]: {prof.description}  ({prof.path})")
+        for i, settings in enumerate(prof.resolve({})):
+            console.print(f"group {i + 1}: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(settings).items()))
+
+    prof = None if name is None else find(name)
+    output.emit(table=table)

@@ -9,9 +9,7 @@ compute and load balance before renting the cluster.
 from __future__ import annotations
 
 import contextlib
-import csv
 import datetime
-import os
 import subprocess
 import sys
 import uuid
@@ -22,16 +20,20 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import __version__, profiling
-from .check import Case, Settings, expand
-from .context_parallel import _cp_attention
-from .dist import RankInfo, where
-from .kernels import get_kernel
-from .options import DTYPES, CPOptions, Fault, accum_dtype, check_scale, make_spec
-from .plan import global_rows, ring_plan, shard
-from .ring import BiasTiles, LocalDKV, LocalKV, run_backward, run_forward
-from .sink import sink_logits
-from .testing import make_inputs
+from .. import __version__, faults, profiling
+from ..context_parallel import cp_attention
+from ..dist import DEFAULT_TIMEOUT_S, where
+from ..faults import RANK_FAILURES, Fault
+from ..kernels import get_kernel
+from ..options import DTYPES, CommType, CPOptions, accum_dtype, check_scale, make_spec
+from ..plan import global_rows, ring_plan, shard
+from ..ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
+from ..sink import sink_logits
+from ..testing import Shape, make_inputs
+from .cases import Case, Settings, expand
+from .errors import EXIT_OK
+from .launcher import RankInfo
+from .output import CsvStream, atomic_path
 
 PHASES = ("fwd", "bwd", "fwdbwd")
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
@@ -51,7 +53,14 @@ class BenchOptions:
     nvtx: bool = True
     simulate: tuple = ()            # cp sizes to simulate on one device; empty = a real run
     fault: Optional[Fault] = None   # stall/crash on the second measured iteration (tests the CSV)
-    timeout: float = 120.0
+    timeout: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self):
+        if self.phase not in PHASES:
+            raise ValueError(f"--phase {self.phase!r}: use fwd, bwd or fwdbwd")
+        if self.fault not in (None, *RANK_FAILURES):
+            raise ValueError(f"--inject {self.fault.value!r}: bench injects only stall or crash; "
+                             f"the others belong to check")
 
 
 def useful_flops(case: Case, phase: str) -> int:
@@ -75,18 +84,18 @@ def _merges(device: torch.device) -> str:
     """What runs the merges, folds and sink gradient: the fused Triton kernels or torch ops."""
     if device.type != "cuda":
         return "torch"
-    from . import fused
+    from .. import fused
     return "triton" if fused.disabled_reason() is None else "torch"
 
 
 def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simulated: bool, phase: str) -> dict:
-    from .kernels.cudnn import versions
+    from ..kernels.cudnn import versions
     return {
         "comm": case.comm.value, "softmax": case.softmax.value,
         "sink_strategy": case.sink_strategy.value if case.softmax.has_sink else "",
         "mask": case.mask.value, "window": "" if case.window is None else f"{case.window[0]},{case.window[1]}",
         "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
-        "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm.value == "a2a+p2p" else "",
+        "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm is CommType.A2A_P2P else "",
         "backend": backend_name, "merges": _merges(device), "simulated": simulated,
         "flops": useful_flops(case, phase),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -97,30 +106,27 @@ def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simul
 
 
 class RowWriter:
-    """Appends rows to ``path.partial`` iteration by iteration; ``close`` renames it to ``path``."""
+    """Every row of a run, kept for the summary and streamed to the CSV (``output.CsvStream``)."""
 
     def __init__(self, path: Optional[str]):
-        self.path = Path(path) if path else None
-        self.partial = Path(str(path) + ".partial") if path else None
         self.rows: list[dict] = []
-        self._file = None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.partial, "w", newline="")
-            self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS, extrasaction="ignore")
-            self._csv.writeheader()
+        self.stream = CsvStream(path, COLUMNS) if path else None
 
     def append(self, rows: list[dict]) -> None:
         self.rows.extend(rows)
-        if self._file is not None:
-            self._csv.writerows(rows)
-            self._file.flush()
-            os.fsync(self._file.fileno())
+        if self.stream is not None:
+            self.stream.append(rows)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            os.replace(self.partial, self.path)
+        if self.stream is not None:
+            self.stream.close()
+
+    def abandon(self) -> None:
+        """The run stopped early: keep ``FILE.partial`` and say so."""
+        if self.stream is not None:
+            self.stream.abandon()
+            print(f"sinkprof bench: stopped early; the rows measured so far are in {self.stream.partial}",
+                  file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -145,10 +151,8 @@ def _capture(device: torch.device, trace: Optional[str], rank: int):
             torch.cuda.cudart().cudaProfilerStop()
         if prof is not None:
             prof.__exit__(None, None, None)
-            Path(trace).mkdir(parents=True, exist_ok=True)
-            tmp = Path(trace) / f".rank{rank}.json.tmp"
-            prof.export_chrome_trace(str(tmp))
-            os.replace(tmp, Path(trace) / f"rank{rank}.json")
+            with atomic_path(Path(trace) / f"rank{rank}.json") as tmp:
+                prof.export_chrome_trace(str(tmp))
 
 
 def _progress(enabled: bool):
@@ -191,17 +195,16 @@ def bench_job(info: RankInfo, groups: list, opts: BenchOptions) -> int:
         for settings, case in cases:
             _bench_case(case, settings, info, opts, writer, run_id)
     except BaseException:
-        if writer is not None and writer._file is not None:
-            writer._file.close()
-            print(f"sinkprof bench: stopped early; the rows measured so far are in {writer.partial}", file=sys.stderr)
+        if writer is not None:
+            writer.abandon()
         raise
     if writer is not None:
         writer.close()
         from .report import print_summary
-        print_summary(writer.rows, len(cases))
+        print_summary(writer.rows)
         if opts.csv:
             print(f"sinkprof bench: wrote {opts.csv} ({len(writer.rows)} rows)")
-    return 0
+    return EXIT_OK
 
 
 def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptions, writer, run_id: str):
@@ -216,7 +219,7 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
     offset = x.offset.requires_grad_() if x.offset is not None else None
     bias = x.bias.requires_grad_() if x.bias is not None else None
     grad_out = shard(x.grad_out, cp, rank, sd)
-    a2a_size = case.a2a_size if case.comm.value == "a2a+p2p" else None
+    a2a_size = case.a2a_size if case.comm is CommType.A2A_P2P else None
     backend_name = get_kernel(settings.backend, device).name
     meta = metadata(case, cp, device, backend_name, False, opts.phase)
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
@@ -225,10 +228,11 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
         for t in (q, k, v, offset, bias):
             if t is not None:
                 t.grad = None
-        return _cp_attention(q, k, v, offset, comm=case.comm.value, softmax_type=case.softmax, mask=case.mask,
-                             window=case.window, bias=bias, qkv_format=case.qkv_format, backend=settings.backend,
-                             sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=opts.timeout,
-                             a2a_size=a2a_size, fault=opts.fault if inject else None)
+        with faults.injected(opts.fault if inject else None):
+            return cp_attention(q, k, v, offset, comm=case.comm, softmax_type=case.softmax, mask=case.mask,
+                                window=case.window, bias=bias, qkv_format=case.qkv_format, backend=settings.backend,
+                                sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=opts.timeout,
+                                a2a_size=a2a_size)
 
     def bwd(out):
         out.backward(grad_out)
@@ -254,25 +258,29 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
 def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     """``--simulate``: every rank's compute schedule of a cp=N ring, one rank after another, on one
     device; the same CSV schema without communication rows."""
+    for cp in opts.simulate:
+        for settings in groups:
+            try:
+                Shape(settings.b, settings.s, settings.h, settings.g, settings.d).validate(cp)
+            except ValueError as exc:
+                raise ValueError(f"--simulate {cp}: {exc}") from None
     writer = RowWriter(opts.csv)
     run_id = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}-sim"
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
-    n_cases = 0
     for settings in groups:
         for case in expand(settings):
-            if case.comm.value != "p2p":
+            if case.comm is not CommType.P2P:
                 raise ValueError(f"--simulate replays the p2p ring; case {case.label} uses {case.comm.value}")
             for cp in opts.simulate:
-                n_cases += 1
                 for rows in _simulate_case(case, settings, cp, device, opts):
                     meta = metadata(case, cp, device, get_kernel(settings.backend, device).name, True, opts.phase)
                     writer.append([dict(r, run_id=run_id, timestamp=stamp, **meta) for r in rows])
     writer.close()
     from .report import print_summary
-    print_summary(writer.rows, n_cases)
+    print_summary(writer.rows)
     if opts.csv:
         print(f"sinkprof bench: wrote {opts.csv} ({len(writer.rows)} rows)")
-    return 0
+    return EXIT_OK
 
 
 def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device, opts: BenchOptions):
@@ -301,14 +309,14 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
         dkv = LocalDKV(torch.zeros(ks[0].shape, dtype=acc, device=device),
                         torch.zeros(vs[0].shape, dtype=acc, device=device))
         rows: list = []
+        fwd_state = ForwardState(fmt.to_bhsd(q), fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out))
+        bwd_state = BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), do, lse, fmt.to_bhsd(dq))
 
         def fwd(_inject):
-            run_forward(plan, fmt.to_bhsd(q), LocalKV(ks, vs), sink, bias, copts, fmt.to_bhsd(o_acc), lse,
-                        fmt.to_bhsd(out))
+            run_forward(plan, LocalKV(ks, vs), state=fwd_state, sink=sink, bias=bias, opts=copts)
 
         def bwd(_out):
-            run_backward(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), do, lse, LocalKV(ks, vs), dkv, sink, bias, copts,
-                         fmt.to_bhsd(dq))
+            run_backward(plan, LocalKV(ks, vs), dkv, state=bwd_state, sink=sink, bias=bias, opts=copts)
 
         probe = profiling.Probe(rank, device, use_nvtx=opts.nvtx)
         with _capture(device, None, rank):

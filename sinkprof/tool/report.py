@@ -7,12 +7,12 @@ FLOPs (causal counted once).
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import pandas as pd
+
+from .output import Output, atomic_path
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h", "g", "d", "cp",
              "backend", "simulated"]
@@ -90,12 +90,9 @@ def _label(row) -> str:
     return "/".join(parts) + f" b={row['b']} s={row['s']} h={row['h']} g={row['g']} d={row['d']} ({row['backend']})"
 
 
-def summarize(df: pd.DataFrame, console=None) -> None:
-    import sys
-
-    from rich.console import Console
+def summarize(df: pd.DataFrame, console) -> None:
+    """Print the per-case tables onto ``console``."""
     from rich.table import Table
-    console = console or Console(width=None if sys.stdout.isatty() else 160)
     its = iteration_table(df)
     steps = step_table(df)
     ranks = rank_table(df)
@@ -124,7 +121,8 @@ def summarize(df: pd.DataFrame, console=None) -> None:
                           + f" (max/mean {per.max() / per.mean():.3f})")
 
 
-def print_summary(rows: list, n_cases: int) -> None:
+def print_summary(rows: list) -> None:
+    """The summary of the rows a bench run measured, on stdout."""
     if not rows:
         print("sinkprof bench: no rows measured")
         return
@@ -133,7 +131,7 @@ def print_summary(rows: list, n_cases: int) -> None:
         if col not in df.columns:
             df[col] = float("nan")
     df[CASE_KEYS] = df[CASE_KEYS].astype(object).fillna("")
-    summarize(df)
+    Output().emit(table=lambda console: summarize(df, console))
 
 
 def plot(df: pd.DataFrame, out_dir: str) -> list:
@@ -157,16 +155,16 @@ def plot(df: pd.DataFrame, out_dir: str) -> list:
         ax.set_xlabel("ring step")
         ax.set_ylabel("ms")
         name = Path(out_dir) / f"case{i}_{row['phase']}.png"
-        fd, tmp = tempfile.mkstemp(suffix=".png", dir=out_dir)
-        os.close(fd)
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        with atomic_path(name) as tmp:
+            fig.savefig(tmp, dpi=110, bbox_inches="tight")
         plt.close(fig)
-        os.replace(tmp, name)
         out.append(str(name))
     return out
 
 
-def report(paths, plot_dir: Optional[str] = None, console=None) -> list:
+def report(paths, plot_dir: Optional[str] = None, output: Output = Output()) -> list:
+    """Summarise the CSVs through ``output``; with ``plot_dir`` also write the plots and return
+    their paths."""
     df = load(paths)
-    summarize(df, console)
+    output.emit(table=lambda console: summarize(df, console))
     return plot(df, plot_dir) if plot_dir else []

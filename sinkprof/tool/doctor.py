@@ -14,9 +14,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .kernels import BackendUnavailable, TorchTiles, get_kernel
-from .options import DTYPE_NAMES, DTYPES, Band, Backend, Comm, QKVFormat, SoftmaxType
-from .testing import tolerance_for
+from ..kernels import BackendUnavailable, TorchTiles, get_kernel
+from ..options import DTYPE_NAMES, DTYPES, Band, Backend, CommType, QKVFormat, SoftmaxType
+from ..testing import tolerance_for
+from .output import Output
 
 
 @dataclass
@@ -48,14 +49,14 @@ def _version(module: str) -> Optional[str]:
 
 def _fused_kernels() -> str:
     """Whether merges, folds and deltas run as one-pass Triton kernels on CUDA, or why not."""
-    from . import fused
+    from .. import fused
     reason = fused.disabled_reason()
     return f"on (triton {fused.triton.__version__})" if reason is None else f"off: {reason}"
 
 
 def environment() -> dict:
-    from .kernels.cudnn import versions
-    from .kernels.fa4 import version as fa4_version
+    from ..kernels.cudnn import versions
+    from ..kernels.fa4 import version as fa4_version
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -120,7 +121,7 @@ def _probe_kernel(backend: Backend, softmax: SoftmaxType, dtype: torch.dtype, la
     return None
 
 
-def _comm_reason(comm: Comm, device: torch.device) -> Optional[str]:
+def _comm_reason(device: torch.device) -> Optional[str]:
     if device.type == "cuda" and not dist.is_nccl_available() and not dist.is_gloo_available():
         return "neither NCCL nor gloo is available"
     if device.type == "cpu" and not dist.is_gloo_available():
@@ -139,11 +140,21 @@ def diagnose(device: Optional[str] = None) -> Report:
                     key = (backend, softmax, dtype, layout)
                     if key not in cache:
                         cache[key] = _probe_kernel(backend, softmax, dtype, layout, dev)
-                    for comm in Comm:
-                        reason = cache[key] or _comm_reason(comm, dev)
+                    for comm in CommType:
+                        reason = cache[key] or _comm_reason(dev)
                         report.cells.append(Cell(comm.value, softmax.value, backend.value, dname, layout.value,
                                                  reason is None, reason or ""))
     return report
+
+
+def run(device: Optional[str], output: Output) -> None:
+    """The command: diagnose ``device`` (default: cuda when visible) and write the report."""
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible here")
+    report = diagnose(device)
+    output.emit(doc=report.to_json(), table=lambda console: render(report, console))
 
 
 def render(report: Report, console) -> None:
@@ -163,10 +174,10 @@ def render(report: Report, console) -> None:
             reasons.append(c.reason)
         rows.setdefault(key, {})[c.comm] = f"[red]no ({reasons.index(c.reason) + 1})[/red]"
     table = Table(title=f"capabilities on {report.environment['device']}")
-    for col in ("backend", "softmax", "dtype", "layout", *[c.value for c in Comm]):
+    for col in ("backend", "softmax", "dtype", "layout", *[c.value for c in CommType]):
         table.add_column(col)
     for key, cells in rows.items():
-        table.add_row(*key, *(cells[c.value] for c in Comm))
+        table.add_row(*key, *(cells[c.value] for c in CommType))
     console.print(table)
     for i, r in enumerate(reasons, 1):
         console.print(f"({i}) {r}")

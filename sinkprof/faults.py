@@ -1,0 +1,109 @@
+"""Every bug ``sinkprof check`` and ``sinkprof bench`` can inject, in one place.
+
+A check that cannot fail proves nothing, so the tool injects known bugs and expects the check to
+catch them. The library never branches on a fault: at the few places where such a bug would live
+it asks ``faults.active``, a ``NoFault`` whose hooks hand back what they were given. ``injected``
+swaps in an ``Injected`` fault for the duration of a block (the same pattern as
+``profiling.installed``), so the ring, a2a and ``cp_attention`` read as the algorithm
+(docs/design.md, section 9).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Optional
+
+from .options import SinkStrategy, _Choice
+
+
+class Fault(_Choice):
+    """Bugs ``sinkprof check`` can inject to prove that it fails when they are present."""
+
+    SINK_EVERY_TILE = "sink-every-tile"      # the sink enters every ring tile (counted per tile)
+    NO_SINK_REDUCE = "no-sink-reduce"        # the full contract skips its all-reduce
+    ALIASED_REFERENCE = "aliased-reference"  # the reference shares storage with the CP gradients
+    VANILLA_FALLBACK = "vanilla-fallback"    # the tiles drop the softmax type (TE's p2p bug)
+    SKIP_SINK_SLICE = "skip-sink-slice"      # a2a gives every rank the first heads' sinks
+    STALL = "stall"                          # rank 1 stops answering in the forward ring
+    CRASH = "crash"                          # rank 1 dies in the forward ring
+
+
+RANK_FAILURES = (Fault.STALL, Fault.CRASH)
+CRASH_EXIT_CODE = 17
+
+
+class NoFault:
+    """No fault: every hook is the identity (or does nothing)."""
+
+    fault: Optional[Fault] = None
+
+    def sink_strategy(self, strategy: SinkStrategy) -> SinkStrategy:
+        """Where the ring puts the sink."""
+        return strategy
+
+    def ring_sink(self, sink):
+        """The sink logits the ring's tiles and fold see (None for vanilla)."""
+        return sink
+
+    def sink_heads(self, mine: slice, per: int) -> slice:
+        """The query heads whose sinks an a2a member takes (its own, ``mine``, of ``per`` heads)."""
+        return mine
+
+    def reduces_replicated_grads(self) -> bool:
+        """Whether the ``full`` contract all-reduces the sink and bias gradients."""
+        return True
+
+    def on_ring_step(self, rank: int, phase: str, step: int) -> None:
+        """Called as a ring step's K/V is taken, before the next exchange is posted."""
+
+    def alias_reference(self, offset, ref) -> None:
+        """Called by ``check`` between the CP forward and backward with the learnable offset and
+        the reference result."""
+
+
+class Injected(NoFault):
+    """One fault, in the hooks where it lives."""
+
+    def __init__(self, fault: Fault):
+        self.fault = fault
+
+    def sink_strategy(self, strategy: SinkStrategy) -> SinkStrategy:
+        return SinkStrategy.EVERY_TILE if self.fault is Fault.SINK_EVERY_TILE else strategy
+
+    def ring_sink(self, sink):
+        return None if self.fault is Fault.VANILLA_FALLBACK else sink
+
+    def sink_heads(self, mine: slice, per: int) -> slice:
+        return slice(0, per) if self.fault is Fault.SKIP_SINK_SLICE else mine
+
+    def reduces_replicated_grads(self) -> bool:
+        return self.fault is not Fault.NO_SINK_REDUCE
+
+    def on_ring_step(self, rank: int, phase: str, step: int) -> None:
+        if self.fault not in RANK_FAILURES or (rank, phase, step) != (1, "fwd", 0):
+            return
+        if self.fault is Fault.CRASH:
+            os._exit(CRASH_EXIT_CODE)
+        while True:  # stall: stop answering; the peers' timeouts must catch it
+            time.sleep(60)
+
+    def alias_reference(self, offset, ref) -> None:
+        # The seed bug: the "reference" gradient is the very tensor the CP backward accumulates into.
+        if self.fault is Fault.ALIASED_REFERENCE and offset is not None:
+            offset.grad = ref.d_offset.to(offset.dtype)
+            ref.d_offset = offset.grad
+
+
+active: NoFault = NoFault()
+
+
+@contextlib.contextmanager
+def injected(fault: Optional[Fault]):
+    """Make ``fault`` (None: no fault) the active one for the duration of the block."""
+    global active
+    previous, active = active, (NoFault() if fault is None else Injected(fault))
+    try:
+        yield active
+    finally:
+        active = previous

@@ -1,0 +1,164 @@
+"""The case matrix of ``check`` and ``bench``: ``Settings`` (lists of options, as a profile and the
+command line give them) crossed into ``Case``s.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+from ..dist import DEFAULT_TIMEOUT_S
+from ..options import (DTYPES, CommType, MaskType, QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size,
+                       check_heads, check_sink_strategy, make_spec, parse_dtype, window_pair)
+from ..testing import Shape
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run of ``check``: lists are crossed into cases. The defaults are the embedded CPU default."""
+
+    comm: tuple = ("p2p",)
+    softmax: tuple = ("vanilla", "off-by-one", "learnable")
+    mask: tuple = ("causal", "no_mask")
+    qkv_format: tuple = ("bshd",)
+    dtype: tuple = ("fp64", "bf16")
+    sink_strategy: tuple = ("step0",)
+    sink_grad: tuple = ("full",)
+    window: Optional[tuple] = None
+    bias: bool = False
+    a2a_size: int = 2
+    b: int = 2
+    s: int = 64
+    h: int = 4
+    g: int = 2
+    d: int = 16
+    nproc: int = 2
+    device: str = "cpu"
+    backend: str = "auto"
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the setting for anything a run would trip over later, with the
+        library's own checks (the ones ``cp_attention`` runs on the tensors)."""
+        for name, enum in (("comm", CommType), ("softmax", SoftmaxType), ("mask", MaskType),
+                           ("qkv_format", QKVFormat), ("sink_grad", SinkGrad)):
+            for value in getattr(self, name):
+                enum.parse(value, name)
+        for value in self.sink_strategy:
+            check_sink_strategy(value)
+        for name in self.dtype:
+            parse_dtype(name)
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r} is not supported; use cpu or cuda")
+        if self.nproc < 1:
+            raise ValueError(f"nproc={self.nproc} must be >= 1")
+        Shape(self.b, self.s, self.h, self.g, self.d).validate(self.nproc)
+        for mask in self.mask:
+            make_spec("vanilla", mask, self.window, "bshd")
+        for comm in map(CommType, self.comm):
+            if comm is CommType.A2A_P2P:
+                check_a2a_size(self.a2a_size, self.nproc)
+            check_heads(self.h, self.g, a2a_members(comm, self.nproc, self.a2a_size))
+
+
+def a2a_members(comm: CommType, cp: int, a2a_size: int) -> int:
+    """Ranks of the inner a2a group: 1 for p2p, the whole group for a2a."""
+    return {CommType.P2P: 1, CommType.A2A: cp, CommType.A2A_P2P: a2a_size}[comm]
+
+
+@dataclass(frozen=True)
+class Case:
+    comm: CommType
+    softmax: SoftmaxType
+    mask: MaskType
+    qkv_format: QKVFormat
+    dtype: str
+    sink_strategy: SinkStrategy
+    sink_grad: SinkGrad
+    window: Optional[tuple]
+    bias: bool
+    shape: Shape
+    a2a_size: int = 2
+
+    @property
+    def label(self) -> str:
+        comm = f"a2a+p2p({self.a2a_size})" if self.comm is CommType.A2A_P2P else self.comm.value
+        parts = [comm, self.softmax.value, self.mask.value, self.qkv_format.value, self.dtype]
+        if self.softmax.has_sink:
+            parts += [self.sink_strategy.value, f"grad={self.sink_grad.value}"]
+        if self.window is not None:
+            parts.append(f"window={self.window[0]},{self.window[1]}")
+        if self.bias:
+            parts.append("bias")
+        return "/".join(parts)
+
+
+def expand(settings: Settings) -> list[Case]:
+    """The cross product of the settings' lists; sink options only multiply cases that have a sink."""
+    shape = Shape(settings.b, settings.s, settings.h, settings.g, settings.d)
+    cases = []
+    for comm, softmax, mask, fmt, dtype in itertools.product(settings.comm, settings.softmax, settings.mask,
+                                                             settings.qkv_format, settings.dtype):
+        sm = SoftmaxType.parse(softmax, "softmax")
+        strategies = settings.sink_strategy if sm.has_sink else settings.sink_strategy[:1]
+        contracts = settings.sink_grad if sm.has_sink or settings.bias else settings.sink_grad[:1]
+        for strategy, contract in itertools.product(strategies, contracts):
+            cases.append(Case(CommType.parse(comm, "comm"), sm, MaskType.parse(mask, "mask"),
+                              QKVFormat.parse(fmt, "qkv_format"), dtype, SinkStrategy.parse(strategy, "sink_strategy"),
+                              SinkGrad.parse(contract, "sink_grad"), settings.window, settings.bias, shape,
+                              settings.a2a_size))
+    return cases
+
+
+# What ``all`` means for each list setting on the command line.
+ALL = {"comm": tuple(c.value for c in CommType), "softmax": tuple(s.value for s in SoftmaxType),
+       "mask": tuple(m.value for m in MaskType), "qkv_format": tuple(f.value for f in QKVFormat),
+       "dtype": tuple(DTYPES), "sink_grad": tuple(g.value for g in SinkGrad),
+       "sink_strategy": tuple(s.value for s in SinkStrategy if s is not SinkStrategy.EVERY_TILE)}
+
+
+@dataclass(frozen=True)
+class CaseOptions:
+    """The case options ``check`` and ``bench`` share, as the command line gave them: None is
+    "not given" (the profile's value, else the ``Settings`` default); lists are comma strings."""
+
+    profile: Optional[str] = None
+    comm: Optional[str] = None
+    a2a_size: Optional[int] = None
+    softmax: Optional[str] = None
+    mask: Optional[str] = None
+    qkv_format: Optional[str] = None
+    dtype: Optional[str] = None
+    sink_strategy: Optional[str] = None
+    sink_grad: Optional[str] = None
+    window: Optional[str] = None
+    bias: Optional[bool] = None
+    b: Optional[int] = None
+    s: Optional[int] = None
+    h: Optional[int] = None
+    g: Optional[int] = None
+    d: Optional[int] = None
+    nproc: Optional[int] = None
+    device: Optional[str] = None
+    backend: Optional[str] = None
+    dist_backend: str = "auto"
+    seed: Optional[int] = None
+    timeout: float = DEFAULT_TIMEOUT_S
+    run_timeout: float = 900.0
+
+    def overrides(self) -> dict:
+        """The ``Settings`` fields given on the command line, parsed."""
+        out = {}
+        for f in dataclasses.fields(Settings):
+            value = getattr(self, f.name, None)
+            if value is None:
+                continue
+            if f.name in ALL:
+                value = tuple(v.strip() for v in value.split(",") if v.strip())
+                if value == ("all",):
+                    value = ALL[f.name]
+            elif f.name == "window":
+                value = window_pair(value, "--window")
+            out[f.name] = value
+        return out
