@@ -172,13 +172,12 @@ def _ring_fns(kernel, plan, qh, dol, ks, vs, sink, softmax, strategy, mask, d):
     opts = CPOptions(make_spec(softmax, mask, None, "bshd"), d ** -0.5, kernel, strategy)
     a = sink if softmax == "learnable" else None
     # accumulators laid out as the ring lays them out (the user's bshd storage, seen as bhsd)
-    o_acc = torch.empty_like(qh, dtype=torch.float32)
+    o_acc = torch.empty_like(qh, dtype=torch.float32) if plan.accumulates else None
     lse = torch.empty(b, h, qh.shape[2], dtype=torch.float32, device="cuda")
     out = torch.empty_like(qh)
-    dq = torch.zeros_like(qh, dtype=torch.float32)
+    dq = torch.empty_like(qh, dtype=torch.float32)
     dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
     dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
-
     fwd_state = ForwardState(qh, o_acc, lse, out)
     bwd_state = BackwardState(qh, out, dol, lse, dq)
 

@@ -52,16 +52,18 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
 
     outs, lses = [], []
     for r in ranks:
-        o_acc = torch.empty(qs[r].shape, dtype=acc, device=dev)
-        lse = torch.empty((qs[r].shape[1 - sd], h, 2 * chunk), dtype=acc, device=dev)
-        out = torch.empty_like(qs[r])
+        # NaN-filled: a row the plan forgets to write (or reads before writing) shows in the result
+        o_acc = torch.full(qs[r].shape, float("nan"), dtype=acc, device=dev) if plans[r].accumulates else None
+        lse = torch.full((qs[r].shape[1 - sd], h, 2 * chunk), float("nan"), dtype=acc, device=dev)
+        out = torch.full_like(qs[r], float("nan"))
         run_forward(plans[r], LocalKV(bhsd(ks), bhsd(vs)),
-                    state=ForwardState(fmt.to_bhsd(qs[r]), fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out)),
+                    state=ForwardState(fmt.to_bhsd(qs[r]), None if o_acc is None else fmt.to_bhsd(o_acc), lse,
+                                       fmt.to_bhsd(out)),
                     sink=sink, bias=biases[r], opts=opts)
         outs.append(out)
         lses.append(lse)
 
-    dqs = [torch.zeros(x.shape, dtype=acc, device=dev) for x in qs]
+    dqs = [torch.full(x.shape, float("nan"), dtype=acc, device=dev) for x in qs]   # step 0 writes every row
     dks = [torch.zeros(x.shape, dtype=acc, device=dev) for x in ks]
     dvs = [torch.zeros(x.shape, dtype=acc, device=dev) for x in vs]
     dkv = LocalDKV(bhsd(dks), bhsd(dvs))

@@ -64,6 +64,11 @@ class RankPlan:
     alone: tuple[slice, ...] = ()   # rows that only their first tile sees: the output is that tile's
 
     @property
+    def accumulates(self) -> bool:
+        """Some rows see three tiles or more: their middle merges need the fp32 accumulator."""
+        return any(not m.last for step in self.steps for tile in step.tiles for m in tile.merges)
+
+    @property
     def backward_steps(self) -> tuple[Step, ...]:
         """Backward visits the forward steps in ring order (dK/dV travel one hop behind K/V)."""
         return self.steps

@@ -92,9 +92,9 @@ class ForwardState:
     """One rank's forward tensors (``[b, h, 2c, d]`` views; lse ``[b, h, 2c]``)."""
 
     q: torch.Tensor
-    o_acc: torch.Tensor       # merged output so far (accumulator dtype); step 0 writes every row first
+    o_acc: Optional[torch.Tensor]   # merged output so far (accumulator dtype); None if the plan never needs it
     lse_acc: torch.Tensor     # merged log-sum-exp so far; sink-inclusive once ``run_forward`` returns
-    out: torch.Tensor         # the output, in q's dtype
+    out: torch.Tensor         # the output, in q's dtype; also holds each row's first partial result
 
 
 @dataclass(frozen=True)
@@ -105,35 +105,51 @@ class BackwardState:
     out: torch.Tensor
     grad_out: torch.Tensor
     lse: torch.Tensor         # final, sink-inclusive
-    dq_acc: torch.Tensor      # accumulator dtype
+    dq_acc: torch.Tensor      # accumulator dtype; written (not added to) by each row's first tile
 
 
 def run_forward(plan: RankPlan, kv: KVSource, *, state: ForwardState, sink: Optional[torch.Tensor],
                 bias: Optional[BiasTiles], opts: CPOptions) -> None:
-    """Merge every tile of every step into the accumulators, then write ``out`` (the output dtype),
-    folding the sink in once under ``post-merge``. ``lse_acc`` ends sink-inclusive."""
+    """Every tile of every step, joined to its rows as the plan says (``Tile.merges``): a row's
+    first tile (step 0) writes the output buffer and the stats, later tiles merge into the
+    accumulator, and a row's last tile merges into the output, folding the sink in under
+    post-merge. ``lse_acc`` ends sink-inclusive."""
     strategy = faults.active.sink_strategy(opts.sink_strategy)
+    fold = sink if strategy is SinkStrategy.POST_MERGE else None
     for step in plan.steps:
         k, v = kv.get(step)
         with profiling.active.compute("fwd", step.index):
-            _forward_tiles(step, k=k, v=v, state=state, sink=sink, bias=bias, opts=opts, strategy=strategy)
-    fold = sink if strategy is SinkStrategy.POST_MERGE else None
-    fold_(state.out, state.o_acc, state.lse_acc, fold)
+            _forward_tiles(step, k=k, v=v, state=state, sink=sink, fold=fold, bias=bias, opts=opts,
+                           strategy=strategy)
+    if fold is not None:
+        for rows in plan.alone:  # rows only their first tile sees: their output is that tile's
+            out = state.out[:, :, rows]
+            fold_(out, out, state.lse_acc[:, :, rows], fold)
 
 
-def _forward_tiles(step: Step, *, k, v, state: ForwardState, sink, bias, opts: CPOptions,
+def _forward_tiles(step: Step, *, k, v, state: ForwardState, sink, fold, bias, opts: CPOptions,
                    strategy: SinkStrategy) -> None:
-    """One forward step: every tile, merged into the accumulators."""
-    q, o_acc, lse_acc = state.q, state.o_acc, state.lse_acc
+    """One forward step: every tile, written or merged where its rows' result belongs."""
+    q, out, o_acc, lse_acc = state.q, state.out, state.o_acc, state.lse_acc
     for t, tile in enumerate(step.tiles):
-        o, lse = opts.kernel.forward(q[:, :, tile.q_rows], k[:, :, tile.kv_rows], v[:, :, tile.kv_rows],
-                                     tile.band, tile_sink(tile, sink, strategy),
-                                     bias.tile(step, t) if bias else None, opts.scale)
-        if tile.sink:  # the first tile of these rows (step 0): nothing to merge with yet
-            o_acc[:, :, tile.q_rows].copy_(o)
-            lse_acc[:, :, tile.q_rows].copy_(lse)
-        else:
-            merge_(o_acc[:, :, tile.q_rows], lse_acc[:, :, tile.q_rows], o, lse)
+        rows = tile.q_rows
+        args = (q[:, :, rows], k[:, :, tile.kv_rows], v[:, :, tile.kv_rows], tile.band,
+                tile_sink(tile, sink, strategy), bias.tile(step, t) if bias else None, opts.scale)
+        if tile.sink:  # the first tile of these rows: straight into the output buffer and the stats
+            opts.kernel.forward(*args, out=out[:, :, rows], lse=lse_acc[:, :, rows])
+            continue
+        o, lse = opts.kernel.forward(*args)
+        for m in tile.merges:
+            part = slice(m.rows.start - rows.start, m.rows.stop - rows.start)
+            merged = (out if m.second else o_acc)[:, :, m.rows]
+            if m.last:
+                into = out[:, :, m.rows]
+            elif m.second:
+                into = o_acc[:, :, m.rows]
+            else:
+                into = None                  # in place, in the accumulator
+            merge_(merged, lse_acc[:, :, m.rows], o[:, :, part], lse[:, :, part], into=into,
+                   sink=fold if m.last else None)
 
 
 def run_backward(plan: RankPlan, kv: KVSource, dkv: DKVSink, *, state: BackwardState,
@@ -164,7 +180,10 @@ def _backward_tiles(step: Step, *, k, v, dk, dv, state: BackwardState, sink, bia
                                      grad_out[:, :, rows], lse[:, :, rows], tile.band,
                                      tile_sink(tile, sink, strategy),
                                      bias.tile(step, t) if bias else None, opts.scale)
-        dq_acc[:, :, rows] += grads.dq
+        if tile.sink:  # the rows' first tile (step 0 comes first): no zeroed accumulator to add to
+            dq_acc[:, :, rows].copy_(grads.dq)
+        else:
+            dq_acc[:, :, rows] += grads.dq
         dk[:, :, cols] += grads.dk
         dv[:, :, cols] += grads.dv
         if grads.d_sink is not None:
@@ -239,11 +258,12 @@ class P2PAttention(torch.autograd.Function):
         h = q.shape[2]
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, h, q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, chunk, acc)
-        o_acc = torch.empty(q.shape, dtype=acc, device=q.device)      # step 0 writes every row first
+        o_acc = torch.empty(q.shape, dtype=acc, device=q.device) if plan.accumulates else None
         lse = torch.empty((q.shape[1 - fmt.seq_dim], h, 2 * chunk), dtype=acc, device=q.device)
         out = torch.empty_like(q)
         run_forward(plan, RingKV(comm, k, v, fmt, "fwd"),
-                    state=ForwardState(fmt.to_bhsd(q), fmt.to_bhsd(o_acc), lse, fmt.to_bhsd(out)),
+                    state=ForwardState(fmt.to_bhsd(q), None if o_acc is None else fmt.to_bhsd(o_acc), lse,
+                                       fmt.to_bhsd(out)),
                     sink=sink, bias=bias_tiles, opts=opts)
         ctx.save_for_backward(q, k, v, out, lse, offset, bias)
         ctx.opts, ctx.comm, ctx.plan, ctx.sink_is_param = opts, comm, plan, offset is not None
@@ -257,7 +277,7 @@ class P2PAttention(torch.autograd.Function):
         acc = accum_dtype(q.dtype)
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, plan.chunk, acc)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq = torch.empty(q.shape, dtype=acc, device=q.device)    # step 0 writes every row first
         dkv = RingDKV(comm, k.shape, acc, q.device, fmt)
         d_sink = run_backward(plan, RingKV(comm, k, v, fmt, "bwd"), dkv,
                               state=BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), fmt.to_bhsd(grad_out), lse,
