@@ -33,14 +33,17 @@ def comm_for(group=None, timeout: float = DEFAULT_TIMEOUT_S) -> Communicator:
 
 def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softmax_type="vanilla",
                  mask="no_mask", window=None, bias=None, scale=None, qkv_format="bshd", backend="auto",
-                 sink_strategy="step0", sink_grad="full", a2a_size: Optional[int] = None,
+                 sink_strategy=None, sink_grad="full", a2a_size: Optional[int] = None,
                  timeout: float = DEFAULT_TIMEOUT_S):
     """Attention over a sequence split across the ranks of ``group`` (default: the world).
 
     q, k, v are this rank's load-balanced shards (``sinkprof.shard``: chunks r and 2cp-1-r);
     the output is in the same layout. ``softmax_offset`` (learnable) and ``bias`` (full sequence,
     ``[1|b, 1|h, S, S]``) are replicated on every rank. ``sink_strategy``: ``step0`` (the sink
-    enters the step-0 tile) or ``post-merge`` (vanilla tiles, the sink folded once).
+    enters the step-0 tile) or ``post-merge`` (vanilla tiles, the sink folded once); None (the
+    default) takes the backend's faster one, as measured on the H200 (docs/benchmarks.md): step0
+    on fa4 (its sink costs nothing) and torch, post-merge on cudnn (its native sink costs 6-16% in
+    the backward, 3x on windowed tiles).
     ``sink_grad``: ``full`` (every rank returns the whole-sequence gradient of the sink and bias)
     or ``partial`` (each rank returns its own part: its rows under p2p, its heads under a2a, both
     under a2a+p2p; sum over the CP group yourself).
@@ -51,7 +54,7 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     """
     spec = make_spec(softmax_type, mask, window, qkv_format)
     comm_type = CommType.parse(comm, "comm")
-    strategy = check_sink_strategy(sink_strategy)
+    strategy = None if sink_strategy is None else check_sink_strategy(sink_strategy)
     grad_contract = SinkGrad.parse(sink_grad, "sink_grad")
     dims = check_qkv(q, k, v, spec.qkv_format)
     if dims.s_q != dims.s_kv:
@@ -65,7 +68,8 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     full = dims.s_q * world
     check_bias(bias, dims.b, dims.h, full, full, q.device)
     check_heads(dims.h, dims.g, groups.inner.size)
-    opts = CPOptions(spec, check_scale(scale, dims.d), get_kernel(backend, q.device), strategy, grad_contract)
+    kernel = get_kernel(backend, q.device)
+    opts = CPOptions(spec, check_scale(scale, dims.d), kernel, strategy or kernel.sink_strategy, grad_contract)
     if softmax_offset is not None:
         softmax_offset = ReplicatedGrad.apply(softmax_offset, groups, opts, "sink gradient all-reduce")
     if bias is not None:

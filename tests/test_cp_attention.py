@@ -27,7 +27,7 @@ def _inputs(seed=0):
 
 
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])
-@pytest.mark.parametrize("strategy", ["step0", "post-merge"])
+@pytest.mark.parametrize("strategy", ["step0", "post-merge", None])
 def test_one_rank_cp_attention_equals_the_reference(world, comm, strategy):
     q, k, v, a = _inputs()
     mine = [x.clone().requires_grad_() for x in (q, k, v, a)]
@@ -61,3 +61,13 @@ def test_an_odd_local_shard_is_refused(world):
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match="even number"):
         sinkprof.cp_attention(q[:, :15], k[:, :15], v[:, :15])
+
+
+def test_the_default_sink_strategy_is_the_backends_faster_one():
+    from sinkprof.kernels import get_kernel
+    from sinkprof.kernels.cudnn import CudnnTiles
+    from sinkprof.kernels.fa4 import FA4Tiles
+    from sinkprof.options import SinkStrategy
+    assert get_kernel("torch", "cpu").sink_strategy is SinkStrategy.STEP0
+    assert CudnnTiles.sink_strategy is SinkStrategy.POST_MERGE    # its native sink is slow backward
+    assert FA4Tiles.sink_strategy is SinkStrategy.STEP0           # its native sink costs nothing

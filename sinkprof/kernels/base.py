@@ -14,7 +14,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from ..options import Band
+from ..options import Band, SinkStrategy
 
 
 @dataclass
@@ -28,6 +28,7 @@ class TileGrads:
 
 class TileKernel(Protocol):
     name: str
+    sink_strategy: SinkStrategy       # the strategy cp_attention uses here by default: the faster one
 
     def forward(self, q, k, v, band: Band, sink, bias, scale: float, *, out=None,
                 lse=None) -> tuple[torch.Tensor, torch.Tensor]:

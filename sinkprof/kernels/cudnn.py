@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..options import Band
+from ..options import Band, SinkStrategy
 from .base import TileGrads, backward_trimmed, deliver, empty_bshd, forward_trimmed, trim_band
 from .torch_tiles import TorchTiles
 
@@ -97,6 +97,7 @@ class CudnnTiles:
     """The tile kernel interface on cuDNN SDPA; see the module docstring."""
 
     name = "cudnn"
+    sink_strategy = SinkStrategy.POST_MERGE      # the faster one here (docs/benchmarks.md)
 
     def __init__(self, device_index: int):
         self.device = torch.device("cuda", device_index)

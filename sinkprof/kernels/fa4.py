@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from ..options import Band
+from ..options import Band, SinkStrategy
 from .base import TileGrads, backward_trimmed, deliver, empty_bshd, forward_trimmed, trim_band
 from .torch_tiles import TorchTiles
 
@@ -102,6 +102,7 @@ class FA4Tiles:
     """The tile kernel interface on FlashAttention-4; see the module docstring."""
 
     name = "fa4"
+    sink_strategy = SinkStrategy.STEP0      # the faster one here (docs/benchmarks.md)
 
     def __init__(self, device_index: int):
         self.device = torch.device("cuda", device_index)

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from ..options import Band, accum_dtype
+from ..options import Band, SinkStrategy, accum_dtype
 from ..sink import sink_grad
 from .base import TileGrads, deliver
 
@@ -18,6 +18,7 @@ class TorchTiles:
     """Explicit math in the accumulator dtype: any dtype, any device, exact in fp64."""
 
     name = "torch"
+    sink_strategy = SinkStrategy.STEP0      # the faster one here (docs/benchmarks.md)
 
     @staticmethod
     def _scores(q, k, band: Band, bias, scale: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
