@@ -9,6 +9,7 @@ sink adds it to its softmax (forward) and returns its rows' sink gradient (backw
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -37,6 +38,17 @@ class TileKernel(Protocol):
 
     def backward(self, q, k, v, o, grad_out, lse, band: Band, sink, bias, scale: float) -> TileGrads:
         """Gradients of the tile's rows, recomputed with the given ``lse`` and ``o``."""
+
+
+IO_DTYPES = (torch.bfloat16, torch.float16)   # what the GPU backends take; other dtypes run on torch
+
+
+def optional_module(name: str):
+    """``(module, None)``, or ``(None, why)`` when the GPU extra that provides it is not importable."""
+    try:
+        return importlib.import_module(name), None
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 class BackendUnavailable(RuntimeError):

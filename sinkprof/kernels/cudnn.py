@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..options import Band, SinkStrategy
-from .base import TileGrads, backward_trimmed, deliver, empty_bshd, forward_trimmed, trim_band
+from .base import IO_DTYPES, TileGrads, backward_trimmed, deliver, empty_bshd, forward_trimmed, optional_module, trim_band
 from .torch_tiles import TorchTiles
 
 log = logging.getLogger("sinkprof.cudnn")
@@ -31,16 +31,10 @@ MIN_BACKEND_FOR_SINK = 91300     # cuDNN 9.13
 MIN_FRONTEND_FOR_SINK = (1, 19)
 PACKED_STATS_BEFORE = 92600      # below cuDNN 9.26 the backward's Stats input must be packed BHSD
 
-try:  # the GPU extra is optional
-    import cudnn
-except Exception as _exc:  # pragma: no cover - depends on the machine
+cudnn, _IMPORT_ERROR = optional_module("cudnn")   # the GPU extra
+if cudnn is not None and not hasattr(cudnn, "backend_version"):  # e.g. a bare namespace package of that name
+    _IMPORT_ERROR = f"the module 'cudnn' found at {getattr(cudnn, '__path__', '?')} is not the cuDNN frontend"
     cudnn = None
-    _IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
-else:
-    _IMPORT_ERROR = None
-    if not hasattr(cudnn, "backend_version"):  # e.g. a bare namespace package of that name
-        _IMPORT_ERROR = f"the module 'cudnn' found at {getattr(cudnn, '__path__', '?')} is not the cuDNN frontend"
-        cudnn = None
 
 
 def versions() -> dict:
@@ -66,7 +60,7 @@ def unavailable_reason(device=None) -> Optional[str]:
     return None
 
 
-_IO_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}
+_CUDNN_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}
 
 
 def _layout(t: Optional[torch.Tensor]):
@@ -145,7 +139,7 @@ class CudnnTiles:
         return dict(self._refused)
 
     def _new_graph(self, dtype):
-        io = getattr(cudnn.data_type, _IO_TYPES[dtype])
+        io = getattr(cudnn.data_type, _CUDNN_TYPES[dtype])
         return cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                              compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
 
@@ -203,7 +197,7 @@ class CudnnTiles:
     # -- the tile interface ------------------------------------------------------------------
 
     def forward(self, q, k, v, band, sink, bias, scale, *, out=None, lse=None):
-        if q.dtype not in _IO_TYPES:
+        if q.dtype not in IO_DTYPES:
             return self._torch.forward(q, k, v, band, sink, bias, scale, out=out, lse=lse)
         n_q, n_kv = q.shape[2], k.shape[2]
         trimmed = trim_band(band, n_q, n_kv)
@@ -230,7 +224,7 @@ class CudnnTiles:
         return o, stats.squeeze(-1)
 
     def backward(self, q, k, v, o, grad_out, lse, band, sink, bias, scale):
-        if q.dtype not in _IO_TYPES:
+        if q.dtype not in IO_DTYPES:
             return self._torch.backward(q, k, v, o, grad_out, lse, band, sink, bias, scale)
         n_q, n_kv = q.shape[2], k.shape[2]
         trimmed = trim_band(band, n_q, n_kv)

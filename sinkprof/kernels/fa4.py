@@ -31,21 +31,14 @@ from typing import Optional
 import torch
 
 from ..options import Band, SinkStrategy
-from .base import TileGrads, backward_trimmed, deliver, empty_bshd, forward_trimmed, trim_band
+from .base import IO_DTYPES, TileGrads, backward_trimmed, deliver, empty_bshd, forward_trimmed, optional_module, trim_band
 from .torch_tiles import TorchTiles
 
 log = logging.getLogger("sinkprof.fa4")
 
 SINK_BACKWARD_MAJORS = (9, 10, 11)   # FA4's learnable-sink backward: sm90 (Hopper), sm100/sm110 (Blackwell)
-_IO_TYPES = (torch.bfloat16, torch.float16)
 
-try:  # the GPU extra is optional
-    from flash_attn.cute import interface as _fa4
-except Exception as _exc:  # pragma: no cover - depends on the machine
-    _fa4 = None
-    _IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
-else:
-    _IMPORT_ERROR = None
+_fa4, _IMPORT_ERROR = optional_module("flash_attn.cute.interface")   # the GPU extra
 
 
 def version() -> Optional[str]:
@@ -135,7 +128,7 @@ class FA4Tiles:
         return None if sink is None else sink.reshape(-1)      # [1, h, 1, 1] -> [h], a view
 
     def forward(self, q, k, v, band, sink, bias, scale, *, out=None, lse=None):
-        if q.dtype not in _IO_TYPES:
+        if q.dtype not in IO_DTYPES:
             return self._torch.forward(q, k, v, band, sink, bias, scale, out=out, lse=lse)
         if bias is not None:
             return self._bias_fallback("fwd").forward(q, k, v, band, sink, bias, scale, out=out, lse=lse)
@@ -157,7 +150,7 @@ class FA4Tiles:
         return o, lse
 
     def backward(self, q, k, v, o, grad_out, lse, band, sink, bias, scale):
-        if q.dtype not in _IO_TYPES:
+        if q.dtype not in IO_DTYPES:
             return self._torch.backward(q, k, v, o, grad_out, lse, band, sink, bias, scale)
         if bias is not None:
             return self._bias_fallback("bwd").backward(q, k, v, o, grad_out, lse, band, sink, bias, scale)
