@@ -213,12 +213,22 @@ def emulate(
 @command()
 def report(
     csv_files: list[str] = typer.Argument(..., help="CSV files written by `sinkprof bench --csv`."),
-    plot: Optional[str] = typer.Option(None, help="Write one PNG per case and phase into this folder."),
+    plot: Optional[str] = typer.Option(None, help="Write the pictures into this folder: a timeline per case and "
+                                                  "phase (SLUG-fwd.png, SLUG-bwd.png) and summary.png."),
+    html: Optional[str] = typer.Option(None, help="Write one self-contained HTML page (tables and pictures "
+                                                  "inline); - for stdout."),
+    chrome_trace: Optional[str] = typer.Option(None, "--chrome-trace",
+                                               help="Write one Chrome/Perfetto trace JSON of every rank; - for stdout."),
 ):
-    """Summarise bench CSVs: per-step compute, communication, overlap, exposed time, TFLOP/s."""
+    """Summarise bench CSVs: per-step compute, communication, overlap, exposed time, TFLOP/s.
+
+    Exit 2 when a file is not a bench CSV.
+    """
+    import sys
     from .tool.report import report as run
-    for path in run(csv_files, plot, Output()):
-        print(f"wrote {path}")
+    to_stdout = "-" in (html, chrome_trace)
+    for path in run(csv_files, plot, Output(), html=html, chrome_trace=chrome_trace):
+        print(f"wrote {path}", file=sys.stderr if to_stdout else sys.stdout)
 
 
 @command()

@@ -1,53 +1,129 @@
-"""``sinkprof report``: pandas summaries and plots of ``sinkprof bench`` CSVs.
+"""``sinkprof report``: summaries, pictures, a self-contained HTML page and a Chrome trace of
+``sinkprof bench`` CSVs.
 
 One summary per run and case: per phase and ring step, the compute time, the communication time,
 how much of it overlapped compute and how much was exposed (medians over iterations, the slowest
 rank); per iteration the wall time of the slowest rank and the TFLOP/s per GPU from the useful
-FLOPs (causal counted once).
+FLOPs (causal counted once). Pictures (``figures``), the page (``page``) and the trace
+(``chrome_trace``) are drawn from the same loaded frame.
 """
 from __future__ import annotations
 
+import re
+import sys
 from pathlib import Path
 from typing import Optional
 
 import pandas as pd
 
-from .output import Output, atomic_path
+from .output import STDOUT, Output, atomic_path, write_text
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h", "g", "d", "cp",
              "backend", "simulated"]
 COMM_KINDS = ("kv", "dkv", "a2a")
 
+# What a bench CSV must hold, and what report fills in when a CSV of an older (or newer) version
+# lacks it. The one list of both; README's CSV table documents the columns.
+REQUIRED_COLUMNS = ("run_id", "rank", "iteration", "phase", "step", "kind", "dur_ms")
+OPTIONAL_COLUMNS = {
+    "timestamp": "", "start_ms": float("nan"), "end_ms": float("nan"), "overlap_ms": float("nan"),
+    "exposed_ms": float("nan"), "comm": "", "softmax": "", "sink_strategy": "", "mask": "", "window": "",
+    "dtype": "", "b": "", "s": "", "h": "", "g": "", "d": "", "cp": None,  # None: the number of ranks of the run
+    "a2a_size": "", "backend": "", "merges": "", "simulated": False, "predicted": False,
+    "flops": float("nan"), "bytes": float("nan"), "device_name": "", "torch": "", "cudnn": "", "nccl": "",
+    "sinkprof": "", "git_sha": "",
+}
+# Read as text, whatever they look like (a git sha "0123abc" keeps its leading zero).
+TEXT_COLUMNS = ("run_id", "timestamp", "phase", "kind", "comm", "softmax", "sink_strategy", "mask", "window",
+                "dtype", "backend", "merges", "a2a_size", "device_name", "torch", "cudnn", "nccl", "sinkprof",
+                "git_sha")
+INT_COLUMNS = ("rank", "iteration", "step")
+FLOAT_COLUMNS = ("dur_ms", "start_ms", "end_ms", "overlap_ms", "exposed_ms", "flops", "bytes")
+BOOL_COLUMNS = ("simulated", "predicted")
+
+
+def _truth(value) -> bool:
+    return str(value).strip().lower() in ("true", "1", "yes")
+
+
+def _read_one(path) -> pd.DataFrame:
+    """One bench CSV, checked; a ValueError names the file and says what is wrong with it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such CSV file")
+    with open(p, "rb") as f:
+        head = f.read(8192)
+    if not head.strip():
+        raise ValueError(f"{path}: empty file, not a sinkprof bench CSV "
+                         f"(it needs the columns {', '.join(REQUIRED_COLUMNS)})")
+    if b"\0" in head:
+        raise ValueError(f"{path}: a binary file, not a sinkprof bench CSV")
+    try:
+        df = pd.read_csv(p, keep_default_na=False, na_values=[""], dtype={c: str for c in TEXT_COLUMNS})
+    except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        raise ValueError(f"{path}: not a sinkprof bench CSV ({str(exc).splitlines()[0]})") from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"{path}: not a sinkprof bench CSV: missing columns {', '.join(missing)} "
+                         f"(it has {', '.join(map(str, df.columns[:8]))}{' ...' if len(df.columns) > 8 else ''})")
+    if df.empty:
+        raise ValueError(f"{path}: a bench CSV header without rows")
+    for col in INT_COLUMNS + FLOAT_COLUMNS:
+        if col not in df.columns:
+            continue
+        values = pd.to_numeric(df[col], errors="coerce")
+        bad = values.isna() & df[col].notna()
+        if col in INT_COLUMNS:
+            bad |= values.isna() | (values.fillna(0) % 1 != 0)
+        if bad.any():
+            row = int(bad.to_numpy().nonzero()[0][0])
+            raise ValueError(f"{path}: column {col} of data row {row + 1} is {df[col].iloc[row]!r}, not a number")
+        df[col] = values.astype("int64") if col in INT_COLUMNS else values.astype(float)
+    return df
+
 
 def load(paths) -> pd.DataFrame:
-    frames = []
-    for p in paths:
-        if not Path(p).is_file():
-            raise ValueError(f"{p}: no such CSV file")
-        frames.append(pd.read_csv(p, keep_default_na=False, na_values=[""]))
-    df = pd.concat(frames, ignore_index=True)
-    missing = {"run_id", "rank", "iteration", "phase", "step", "kind", "dur_ms"} - set(df.columns)
-    if missing:
-        raise ValueError(f"not a sinkprof bench CSV: missing columns {sorted(missing)}")
-    for col in CASE_KEYS:
+    """The rows of every CSV, with the optional columns an older CSV lacks filled in."""
+    df = pd.concat([_read_one(p) for p in paths], ignore_index=True)
+    for col, default in OPTIONAL_COLUMNS.items():
         if col not in df.columns:
-            df[col] = ""
-    df[CASE_KEYS] = df[CASE_KEYS].astype(object).fillna("")
+            if col == "cp":
+                df[col] = df.groupby("run_id")["rank"].transform("max") + 1
+            else:
+                df[col] = default
+    for col in TEXT_COLUMNS:
+        df[col] = df[col].astype(object).where(df[col].notna(), "").astype(str)
+    for col in BOOL_COLUMNS:
+        df[col] = df[col].map(_truth)
+    keys = [k for k in CASE_KEYS if k not in TEXT_COLUMNS and k not in BOOL_COLUMNS]
+    df[keys] = df[keys].astype(object).where(df[keys].notna(), "")
     return df
+
+
+def _predicted(rows: pd.DataFrame, keys: list) -> pd.Series:
+    """Per group of ``keys``: whether any of its rows is a prediction (not a measurement)."""
+    return rows.groupby(keys)["predicted"].any().rename("predicted")
 
 
 def step_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per (case, phase, step): compute, comm, overlap and exposed ms; medians over iterations of
-    the slowest rank."""
+    the slowest rank; ``predicted`` when any of its rows is a prediction."""
     steps = df[df["step"] >= 0]
     if steps.empty:
         return pd.DataFrame()
-    comp = steps[steps["kind"] == "compute"].groupby(CASE_KEYS + ["phase", "step", "iteration", "rank"])["dur_ms"].sum()
-    comm = steps[steps["kind"].isin(COMM_KINDS)].groupby(CASE_KEYS + ["phase", "step", "iteration", "rank"])[
+    keys = CASE_KEYS + ["phase", "step"]
+    comp = steps[steps["kind"] == "compute"].groupby(keys + ["iteration", "rank"])["dur_ms"].sum()
+    comm = steps[steps["kind"].isin(COMM_KINDS)].groupby(keys + ["iteration", "rank"])[
         ["dur_ms", "overlap_ms", "exposed_ms"]].sum()
     per = pd.concat([comp.rename("compute_ms"), comm.rename(columns={"dur_ms": "comm_ms"})], axis=1).fillna(0.0)
-    worst = per.groupby(level=CASE_KEYS + ["phase", "step", "iteration"]).max()
-    return worst.groupby(level=CASE_KEYS + ["phase", "step"]).median().reset_index()
+    for col in ("comm_ms", "overlap_ms", "exposed_ms"):
+        if col not in per.columns:
+            per[col] = 0.0
+    worst = per.groupby(level=keys + ["iteration"]).max()
+    out = worst.groupby(level=keys).median().join(_predicted(steps, keys)).reset_index()
+    order = out["phase"].map({"fwd": 0, "bwd": 1}).fillna(2)
+    return out.assign(_order=order).sort_values(CASE_KEYS + ["_order", "step"], kind="stable").drop(
+        columns="_order").reset_index(drop=True)
 
 
 def iteration_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -67,8 +143,11 @@ def iteration_table(df: pd.DataFrame) -> pd.DataFrame:
         out = out.merge(exposed, on=CASE_KEYS, how="left")
     else:
         out["exposed_comm_ms"] = 0.0
-    out["exposed_pct"] = 100.0 * out["exposed_comm_ms"].fillna(0.0) / out["wall_ms"]
-    return out
+    out["exposed_comm_ms"] = out["exposed_comm_ms"].fillna(0.0)
+    out["exposed_pct"] = 100.0 * out["exposed_comm_ms"] / out["wall_ms"]
+    has_comm = df.assign(has_comm=df["kind"].isin(COMM_KINDS)).groupby(CASE_KEYS)["has_comm"].any()
+    out = out.merge(has_comm.reset_index(), on=CASE_KEYS, how="left")
+    return out.merge(_predicted(df, CASE_KEYS).reset_index(), on=CASE_KEYS, how="left")
 
 
 def rank_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -79,46 +158,113 @@ def rank_table(df: pd.DataFrame) -> pd.DataFrame:
     return comp.groupby(level=CASE_KEYS + ["phase", "rank"]).median().rename("compute_ms").reset_index()
 
 
-def _label(row) -> str:
+def select(table: pd.DataFrame, key: dict) -> pd.DataFrame:
+    """The rows of ``table`` that belong to the case ``key`` (CASE_KEYS -> value)."""
+    if table.empty:
+        return table
+    mask = pd.Series(True, index=table.index)
+    for k, v in key.items():
+        mask &= table[k] == v
+    return table[mask]
+
+
+def case_key(row) -> dict:
+    return {k: row[k] for k in CASE_KEYS}
+
+
+def label(row) -> str:
+    """The whole case in words (titles)."""
     parts = [str(row["comm"]), str(row["softmax"]), str(row["mask"]), str(row["dtype"]), f"cp={row['cp']}"]
     if str(row.get("sink_strategy", "")):
         parts.insert(2, str(row["sink_strategy"]))
     if str(row.get("window", "")):
         parts.append(f"window={row['window']}")
-    if str(row["simulated"]).lower() == "true":
+    if row["simulated"]:
         parts.append("simulated")
-    return "/".join(parts) + f" b={row['b']} s={row['s']} h={row['h']} g={row['g']} d={row['d']} ({row['backend']})"
+    text = "/".join(parts) + f" b={row['b']} s={row['s']} h={row['h']} g={row['g']} d={row['d']} ({row['backend']})"
+    return f"PREDICTION {text}" if row.get("predicted", False) else text
+
+
+def _slug_part(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", str(text).lower()).strip("-")
+
+
+def _window_part(window: str) -> str:
+    left, _, right = str(window).partition(",")
+    return "w" + "-".join("inf" if v.strip() == "-1" else _slug_part(v) for v in (left, right))
+
+
+def run_part(run_id: str) -> str:
+    """The random part of a run id (``20261203-075527-040e0d`` -> ``040e0d``)."""
+    found = re.findall(r"(?<![0-9a-f])[0-9a-f]{6}(?![0-9a-f])", str(run_id))
+    return found[-1] if found else _slug_part(run_id)
+
+
+def slugs(cases: pd.DataFrame) -> dict:
+    """A short file-name slug per case (the tuple of its CASE_KEYS): ``comm-softmax[-strategy]-mask
+    [-window]-dtype-cpN[-sim][-pred]``; cases that would share one add what tells them apart (the
+    shape, the backend, then the run), so a slug depends only on the cases read, in any order."""
+    rows = cases.drop_duplicates(subset=CASE_KEYS)
+    base = {}
+    for _, r in rows.iterrows():
+        parts = [r["comm"], r["softmax"], r["sink_strategy"], r["mask"]]
+        parts += [_window_part(r["window"])] if str(r["window"]) else []
+        parts += [r["dtype"], f"cp{r['cp']}"]
+        parts += ["sim"] if r["simulated"] else []
+        parts += ["pred"] if r.get("predicted", False) else []
+        base[tuple(r[k] for k in CASE_KEYS)] = [_slug_part(p) for p in parts if str(p)]
+    for extra in (lambda k: [f"{n}{k[CASE_KEYS.index(n)]}" for n in ("b", "s", "h", "g", "d")],
+                  lambda k: [k[CASE_KEYS.index("backend")]],
+                  lambda k: [run_part(k[CASE_KEYS.index("run_id")])]):
+        groups: dict = {}
+        for key, parts in base.items():
+            groups.setdefault("-".join(parts), []).append(key)
+        for keys in groups.values():
+            if len(keys) < 2:
+                continue
+            extras = [extra(k) for k in keys]
+            differs = [i for i in range(len(extras[0])) if len({e[i] for e in extras}) > 1]
+            for key, e in zip(keys, extras):
+                base[key] = base[key] + [_slug_part(e[i]) for i in differs]
+    named: dict = {}
+    for key in sorted(base, key=lambda k: tuple(map(str, k))):
+        slug = "-".join(base[key])
+        named[key] = slug if slug not in named.values() else f"{slug}-{list(named.values()).count(slug) + 1}"
+    return named
 
 
 def summarize(df: pd.DataFrame, console) -> None:
-    """Print the per-case tables onto ``console``."""
+    """Print the per-case tables onto ``console``. Every value from a CSV is printed as plain text
+    (a cell holding ``[/]`` or ``[link=...]`` prints as written)."""
     from rich.table import Table
+    from rich.text import Text
     its = iteration_table(df)
     steps = step_table(df)
     ranks = rank_table(df)
     for _, row in its.iterrows():
-        key = {k: row[k] for k in CASE_KEYS}
-        table = Table(title=f"{_label(row)}: {row['phase']} {row['wall_ms']:.3f} ms/iter (slowest rank), "
-                            f"{row['tflops_per_gpu']:.1f} TFLOP/s per GPU, exposed comm {row['exposed_pct']:.1f}%")
-        for col in ("phase", "step", "compute ms", "comm ms", "overlap ms", "exposed ms"):
+        key = case_key(row)
+        title = (f"{label(row)}: {row['phase']} {row['wall_ms']:.3f} ms/iter (slowest rank), "
+                 f"{row['tflops_per_gpu']:.1f} TFLOP/s per GPU, exposed comm {row['exposed_pct']:.1f}%")
+        table = Table(title=Text(title))
+        sel = select(steps, key)
+        if not sel.empty and row["phase"] != "fwdbwd":
+            sel = sel[sel["phase"] == row["phase"]]
+        predicted = bool(row["predicted"])
+        for col in ("phase", "step", "compute ms", "comm ms", "overlap ms", "exposed ms") + (
+                ("source",) if predicted else ()):
             table.add_column(col, justify="right")
-        sel = steps
-        for k, v in key.items():
-            sel = sel[sel[k] == v] if not sel.empty else sel
         for _, s in sel.iterrows():
-            if row["phase"] != "fwdbwd" and s["phase"] != row["phase"]:
-                continue
-            table.add_row(str(s["phase"]), str(int(s["step"])), f"{s['compute_ms']:.3f}",
-                          f"{s.get('comm_ms', 0.0):.3f}", f"{s.get('overlap_ms', 0.0):.3f}",
-                          f"{s.get('exposed_ms', 0.0):.3f}")
+            cells = [str(s["phase"]), str(int(s["step"])), f"{s['compute_ms']:.3f}", f"{s['comm_ms']:.3f}",
+                     f"{s['overlap_ms']:.3f}", f"{s['exposed_ms']:.3f}"]
+            if predicted:
+                cells.append("predicted" if s["predicted"] else "measured")
+            table.add_row(*map(Text, cells))
         console.print(table)
-        rsel = ranks
-        for k, v in key.items():
-            rsel = rsel[rsel[k] == v] if not rsel.empty else rsel
+        rsel = select(ranks, key)
         if not rsel.empty:
             per = rsel.groupby("rank")["compute_ms"].sum()
-            console.print("compute ms per rank: " + ", ".join(f"{r}: {v:.3f}" for r, v in per.items())
-                          + f" (max/mean {per.max() / per.mean():.3f})")
+            console.print(Text("compute ms per rank: " + ", ".join(f"{r}: {v:.3f}" for r, v in per.items())
+                               + f" (max/mean {per.max() / per.mean():.3f})"))
 
 
 def print_summary(rows: list) -> None:
@@ -127,44 +273,53 @@ def print_summary(rows: list) -> None:
         print("sinkprof bench: no rows measured")
         return
     df = pd.DataFrame(rows)
-    for col in ("overlap_ms", "exposed_ms"):
-        if col not in df.columns:
-            df[col] = float("nan")
-    df[CASE_KEYS] = df[CASE_KEYS].astype(object).fillna("")
+    for col, default in OPTIONAL_COLUMNS.items():
+        if col not in df.columns and col != "cp":
+            df[col] = default
+    for col in BOOL_COLUMNS:
+        df[col] = df[col].map(_truth)
+    keys = [k for k in CASE_KEYS if k not in BOOL_COLUMNS]
+    df[keys] = df[keys].astype(object).where(df[keys].notna(), "")
     Output().emit(table=lambda console: summarize(df, console))
 
 
-def plot(df: pd.DataFrame, out_dir: str) -> list:
-    """One PNG per case and phase: compute and exposed communication per ring step and rank."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    out = []
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    steps = df[df["step"] >= 0]
-    for i, (key, part) in enumerate(steps.groupby(CASE_KEYS + ["phase"])):
-        comp = part[part["kind"] == "compute"].groupby(["rank", "step"])["dur_ms"].median().unstack(0)
-        fig, ax = plt.subplots(figsize=(8, 4))
-        comp.plot(kind="bar", ax=ax, alpha=0.8)
-        exposed = part[part["kind"].isin(COMM_KINDS)]
-        if not exposed.empty and "exposed_ms" in exposed:
-            ex = exposed.groupby(["rank", "step"])["exposed_ms"].median().unstack(0)
-            ex.add_prefix("exposed comm, rank ").plot(ax=ax, marker="o", linestyle="--")
-        row = dict(zip(CASE_KEYS + ["phase"], key))
-        ax.set_title(f"{_label(row)}\n{row['phase']}: compute per step and rank (median ms)", fontsize=8)
-        ax.set_xlabel("ring step")
-        ax.set_ylabel("ms")
-        name = Path(out_dir) / f"case{i}_{row['phase']}.png"
-        with atomic_path(name) as tmp:
-            fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        out.append(str(name))
-    return out
+def _write(path: str, text: str) -> None:
+    """A whole file, or stdout for ``-`` (the rule of every output)."""
+    if path == STDOUT:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        write_text(path, text)
 
 
-def report(paths, plot_dir: Optional[str] = None, output: Output = Output()) -> list:
-    """Summarise the CSVs through ``output``; with ``plot_dir`` also write the plots and return
-    their paths."""
+def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), html: Optional[str] = None,
+           chrome_trace: Optional[str] = None) -> list:
+    """Summarise the CSVs; with ``plot_dir`` write the pictures (a timeline per case and phase,
+    one summary across cases), with ``html`` one self-contained page, with ``chrome_trace`` one
+    trace of every rank. Returns the paths written (not ``-``). When the page or the trace goes
+    to stdout, the tables are left out of it."""
+    if html == STDOUT and chrome_trace == STDOUT:
+        raise ValueError("--html - and --chrome-trace - would both write to stdout: give one of them a file")
     df = load(paths)
-    output.emit(table=lambda console: summarize(df, console))
-    return plot(df, plot_dir) if plot_dir else []
+    if STDOUT not in (html, chrome_trace):
+        output.emit(table=lambda console: summarize(df, console))
+    written = []
+    if plot_dir or html:
+        from . import figures
+        pictures = figures.draw(df)
+        if plot_dir:
+            for name, png in pictures.files().items():
+                path = Path(plot_dir) / name
+                with atomic_path(path) as tmp:
+                    tmp.write_bytes(png)
+                written.append(str(path))
+        if html:
+            from .page import page
+            _write(html, page(df, pictures, [str(p) for p in paths]))
+            written += [html] if html != STDOUT else []
+    if chrome_trace:
+        import json
+        from .chrome_trace import trace
+        _write(chrome_trace, json.dumps(trace(df), separators=(",", ":")) + "\n")
+        written += [chrome_trace] if chrome_trace != STDOUT else []
+    return written

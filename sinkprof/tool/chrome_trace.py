@@ -1,0 +1,78 @@
+"""``sinkprof report --chrome-trace``: one Trace Event Format file of every rank, for Perfetto or
+chrome://tracing. Each rank is a process (``pid`` = rank), its compute one thread and each kind of
+exchange (kv, dkv, a2a) one communication thread: exchanges of two kinds overlap in time, and the
+events of one thread must nest. Every row is an ``X`` (complete) event, ``ts`` and ``dur`` in
+microseconds; the exposed parts of an exchange are child events ``exposed`` inside it. Iterations
+and cases follow one another on one time axis: each iteration starts when the slowest rank's
+previous one ended (each rank's times count from its own iteration start mark).
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from .figures import exposed_spans
+from .report import CASE_KEYS, COMM_KINDS, label
+
+COMPUTE_TID = 0
+COMM_TIDS = {"kv": 1, "dkv": 2, "a2a": 3}
+GAP_US = 50.0
+
+
+def _event(name, cat, pid, tid, ts, dur, args=None) -> dict:
+    return {"name": name, "cat": cat, "ph": "X", "pid": int(pid), "tid": tid, "ts": round(ts, 3),
+            "dur": round(max(dur, 0.0), 3), "args": args or {}}
+
+
+def trace(df: pd.DataFrame) -> dict:
+    events: list = []
+    ranks, comm_tids = set(), set()
+    t = 0.0
+    for case, rows in df.groupby(CASE_KEYS, sort=False):
+        rows = rows.dropna(subset=["start_ms", "end_ms"])
+        if rows.empty:
+            continue
+        first = rows.iloc[0]
+        case_start = t
+        for it, its_rows in rows.groupby("iteration"):
+            for rank, mine in its_rows.groupby("rank"):
+                ranks.add(int(rank))
+                computes = {(c["phase"], int(c["step"])): c for _, c in mine[mine["kind"] == "compute"].iterrows()}
+                for _, r in mine.iterrows():
+                    pred = bool(r["predicted"])
+                    suffix = " (predicted)" if pred else ""
+                    ts, dur = t + 1e3 * r["start_ms"], 1e3 * (r["end_ms"] - r["start_ms"])
+                    args = {"phase": r["phase"], "step": int(r["step"]), "iteration": int(it), "dur_ms": r["dur_ms"],
+                            "predicted": pred}
+                    if r["kind"] == "iteration":
+                        events.append(_event(f"{r['phase']} iteration {it}{suffix}", "iteration", rank, COMPUTE_TID,
+                                             ts, dur, args))
+                    elif r["kind"] == "compute":
+                        events.append(_event(f"{r['phase']} step {int(r['step'])} compute{suffix}", "compute", rank,
+                                             COMPUTE_TID, ts, dur, args))
+                    elif r["kind"] in COMM_KINDS:
+                        tid = COMM_TIDS[r["kind"]]
+                        comm_tids.add(tid)
+                        step = "" if int(r["step"]) < 0 else f" step {int(r['step'])}"
+                        args.update(overlap_ms=r["overlap_ms"], exposed_ms=r["exposed_ms"])
+                        events.append(_event(f"{r['phase']}{step} {r['kind']}{suffix}", "communication", rank, tid,
+                                             ts, dur, args))
+                        for a, b in exposed_spans(r, computes.get((r["phase"], int(r["step"])))):
+                            events.append(_event("exposed", "exposed", rank, tid, t + 1e3 * a, 1e3 * (b - a),
+                                                 {"predicted": pred}))
+            t += 1e3 * float(its_rows["end_ms"].max()) + GAP_US
+        for rank in sorted(rows["rank"].unique()):
+            events.append(_event(label(first), "case", rank, COMPUTE_TID, case_start - GAP_US / 4,
+                                 t - case_start, {k: str(first[k]) for k in CASE_KEYS}))
+        t += 4 * GAP_US
+    meta = []
+    for rank in sorted(ranks):
+        meta += [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+                 {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+                 {"name": "thread_name", "ph": "M", "pid": rank, "tid": COMPUTE_TID, "args": {"name": "compute"}}]
+        for kind, tid in COMM_TIDS.items():
+            if tid in comm_tids:
+                meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                          "args": {"name": f"communication {kind}"}},
+                         {"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid, "args": {"sort_index": tid}}]
+    return {"traceEvents": meta + events, "displayTimeUnit": "ms",
+            "otherData": {"source": "sinkprof report", "runs": sorted(set(df["run_id"]))}}

@@ -1,0 +1,232 @@
+"""`sinkprof report` on one small real bench CSV (2 ranks, CPU) and one simulated: case slugs,
+timelines and the summary figure, the self-contained HTML page, the Chrome trace, refusals of files
+that are not bench CSVs, older CSVs, Rich markup in cells, git_sha as text, predicted rows, and
+(marked `browser`) the page as a real headless Chromium renders it."""
+import base64
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from sinkprof.tool import figures
+from sinkprof.tool.bench import BenchOptions, simulate
+from sinkprof.tool.cases import Settings
+from sinkprof.tool.report import CASE_KEYS, REQUIRED_COLUMNS, iteration_table, load, report, slugs, step_table
+
+from conftest import run_cli
+from typer.testing import CliRunner
+
+from sinkprof.cli import app
+
+
+def _report(*args):
+    """``sinkprof report ARGS`` in this process (a subprocess would import torch again)."""
+    return CliRunner().invoke(app, ["report", *map(str, args)])
+
+SLUG = "p2p-learnable-step0-causal-fp32-cp2"
+SIM_SLUG = "p2p-learnable-step0-causal-fp32-cp4-sim"
+
+
+@pytest.fixture(scope="module")
+def csvs(tmp_path_factory):
+    """A real 2-rank fwdbwd run (with communication) and a simulated cp=4 fwd run."""
+    d = tmp_path_factory.mktemp("bench")
+    real, sim = d / "real.csv", d / "sim.csv"
+    res = run_cli("bench", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp32", "--warmup", "0",
+                  "--iters", "2", "--csv", str(real))
+    assert res.returncode == 0, res.stdout + res.stderr
+    settings = Settings(softmax=("learnable",), mask=("causal",), dtype=("fp32",), s=64)
+    simulate([settings], BenchOptions(warmup=0, iters=2, phase="fwd", csv=str(sim), simulate=(4,)),
+             __import__("torch").device("cpu"))
+    return real, sim
+
+
+@pytest.fixture(scope="module")
+def written(csvs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    paths = report(list(csvs), str(out / "plots"), html=str(out / "report.html"),
+                   chrome_trace=str(out / "trace.json"))
+    return out, paths
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def _has_colour(path: Path, hex_colour: str) -> bool:
+    import matplotlib.image
+    rgb = matplotlib.image.imread(path)[..., :3]
+    want = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    return bool((abs(rgb - want).max(axis=-1) < 0.02).any())
+
+
+def test_pictures_are_named_by_case_and_phase_and_show_the_ring(written):
+    out, paths = written
+    names = sorted(Path(p).name for p in paths if p.endswith(".png"))
+    assert names == sorted([f"{SLUG}-fwd.png", f"{SLUG}-bwd.png", f"{SIM_SLUG}-fwd.png", "summary.png"])
+    for name in names:
+        w, h = _png_size((out / "plots" / name).read_bytes())
+        assert w > 800 and h > 250, (name, w, h)
+    for phase in ("fwd", "bwd"):  # compute bars, and communication hidden or exposed
+        path = out / "plots" / f"{SLUG}-{phase}.png"
+        assert _has_colour(path, figures.COMPUTE)
+        assert _has_colour(path, figures.EXPOSED) or _has_colour(path, figures.HIDDEN)
+    sim = out / "plots" / f"{SIM_SLUG}-fwd.png"
+    assert _has_colour(sim, figures.COMPUTE) and not _has_colour(sim, figures.EXPOSED)
+    assert _png_size(sim.read_bytes())[1] > 250
+
+
+def test_slugs_add_only_what_tells_cases_apart():
+    base = {k: "" for k in CASE_KEYS}
+    base.update(run_id="20261203-075527-040e0d", comm="a2a+p2p", softmax="off-by-one", mask="no_mask",
+                dtype="bf16", b=2, s=64, h=4, g=2, d=16, cp=8, backend="torch", simulated=False)
+    rows = pd.DataFrame([base, dict(base, s=128), dict(base, softmax="vanilla", window="128,-1"),
+                         dict(base, run_id="20261203-080000-abcdef", s=128)])
+    named = sorted(slugs(rows).values())
+    assert named == ["a2a-p2p-off-by-one-no-mask-bf16-cp8-s128-040e0d", "a2a-p2p-off-by-one-no-mask-bf16-cp8-s128-abcdef",
+                     "a2a-p2p-off-by-one-no-mask-bf16-cp8-s64", "a2a-p2p-vanilla-no-mask-w128-inf-bf16-cp8"]
+
+
+def test_summary_labels_cases_by_what_differs(csvs):
+    its = iteration_table(load(list(csvs)))
+    labels, common = figures.case_labels(its)
+    assert len(labels) == 2 and "cp=2" in labels[0] and "cp=4" in labels[1] and "simulated" in labels[1]
+    assert "p2p" in common and "fp32" in common and "cp=" not in common
+
+
+def test_html_is_self_contained_and_embeds_every_picture(written):
+    out, _ = written
+    text = (out / "report.html").read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", text, re.I)
+    assert "<link" not in text and "<script" not in text
+    embedded = {base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)}
+    files = {p.read_bytes() for p in (out / "plots").glob("*.png")}
+    assert embedded == files and len(files) == 4
+    assert f"id='{SLUG}'" in text and "exposed ms" in text
+
+
+def test_html_to_stdout_leaves_the_tables_out(csvs):
+    res = _report(csvs[0], "--html", "-")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("<!DOCTYPE html>") and res.stdout.rstrip().endswith("</html>")
+
+
+def test_chrome_trace_has_every_rank_as_a_process_with_compute_and_communication(written, csvs):
+    out, _ = written
+    doc = json.loads((out / "trace.json").read_text())
+    events = doc["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert procs == {r: f"rank {r}" for r in range(4)}  # the real run's 2 ranks and the simulated 4
+    threads = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    for rank in (0, 1):
+        assert {(rank, "compute"), (rank, "communication kv"), (rank, "communication dkv")} <= threads
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(isinstance(e["ts"], (int, float)) and e["dur"] >= 0 for e in spans)
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    real = pd.read_csv(csvs[0])
+    computes = [e for e in spans if e["cat"] == "compute"]
+    sim = pd.read_csv(csvs[1])
+    assert len(computes) == (real["kind"] == "compute").sum() + (sim["kind"] == "compute").sum()
+    comm = [e for e in spans if e["cat"] == "communication"]
+    assert len(comm) == real["kind"].isin(["kv", "dkv"]).sum()
+    for e in (e for e in spans if e["cat"] == "exposed"):  # inside an exchange of its thread
+        assert any(c["pid"] == e["pid"] and c["tid"] == e["tid"] and c["ts"] - 1e-3 <= e["ts"]
+                   and e["ts"] + e["dur"] <= c["ts"] + c["dur"] + 1e-3 for c in comm)
+    for rank in (0, 1):  # one rank's compute never overlaps itself
+        mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in computes if e["pid"] == rank)
+        assert all(a[1] <= b[0] + 1e-3 for a, b in zip(mine, mine[1:]))
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"", "empty file"),
+    (b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0", "binary file"),
+    (b"name,age\nx,3\n", "missing columns run_id, rank, iteration, phase, step, kind, dur_ms"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,zero,0,fwd,0,compute,1.0\n", "column rank"),
+])
+def test_report_refuses_what_is_not_a_bench_csv_naming_the_file(tmp_path, content, says):
+    bad = tmp_path / "not-bench.csv"
+    bad.write_bytes(content)
+    res = _report(bad)
+    assert res.exit_code == 2
+    message = " ".join(res.stderr.split())
+    assert str(bad) in message and says in message
+
+
+def test_report_reads_a_csv_of_an_older_version(csvs, tmp_path):
+    old = tmp_path / "old.csv"
+    keep = list(REQUIRED_COLUMNS) + ["start_ms", "end_ms", "comm", "softmax", "mask", "dtype"]
+    pd.read_csv(csvs[0])[keep].to_csv(old, index=False)
+    df = load([old])
+    assert (df["cp"] == 2).all() and not df["predicted"].any() and (df["git_sha"] == "").all()
+    paths = report([old], str(tmp_path / "plots"))
+    assert sorted(Path(p).name for p in paths) == ["p2p-learnable-causal-fp32-cp2-bwd.png",
+                                                   "p2p-learnable-causal-fp32-cp2-fwd.png", "summary.png"]
+
+
+def test_markup_in_cells_prints_as_written_and_git_sha_keeps_its_zeros(csvs, tmp_path):
+    df = pd.read_csv(csvs[0], dtype={"git_sha": str})
+    df["backend"] = "[/]"
+    df["dtype"] = "[link=https://example.com]x[/link]"
+    df["git_sha"] = "0012abc"
+    odd = tmp_path / "odd.csv"
+    df.to_csv(odd, index=False)
+    assert (load([odd])["git_sha"] == "0012abc").all()
+    res = _report(odd, "--html", tmp_path / "odd.html")
+    assert res.exit_code == 0, res.output
+    flat = "".join(res.stdout.split())
+    assert "([/])" in flat and "[link=https://example.com]x[/link]" in flat and "\x1b]8;" not in res.stdout
+    page = (tmp_path / "odd.html").read_text()
+    assert "git 0012abc" in page and "[link=https://example.com]x[/link]" in page and "<a " not in page
+
+
+def test_predicted_rows_are_labelled_as_predictions(csvs, tmp_path):
+    df = pd.read_csv(csvs[0])
+    df["predicted"] = df["kind"].isin(["kv", "dkv", "iteration"])
+    pred = tmp_path / "pred.csv"
+    df.to_csv(pred, index=False)
+    loaded = load([pred])
+    assert iteration_table(loaded)["predicted"].all()
+    steps = step_table(loaded)
+    assert steps.set_index(["phase", "step"])["predicted"].to_dict() == {
+        ("fwd", 0): True, ("fwd", 1): False, ("bwd", 0): True, ("bwd", 1): True}
+    res = _report(pred, "--plot", tmp_path / "plots", "--html", tmp_path / "p.html")
+    assert res.exit_code == 0, res.output
+    assert "PREDICTION" in res.stdout and "predicted" in res.stdout and "measured" in res.stdout
+    assert (tmp_path / "plots" / f"{SLUG}-pred-fwd.png").is_file()
+    assert 'class="prediction"' in (tmp_path / "p.html").read_text()
+
+
+def _chromium():
+    return shutil.which("chromium-headless-shell") or shutil.which("chromium")
+
+
+PROBE = """<script>window.addEventListener('load', () => {
+  const imgs = [...document.images];
+  document.body.setAttribute('data-probe', JSON.stringify(imgs.map(i => [i.naturalWidth, i.complete])));
+});</script>"""
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(_chromium() is None, reason="needs chromium-headless-shell or chromium")
+def test_the_page_renders_its_pictures_in_a_real_browser(written, tmp_path):
+    out, _ = written
+    page = (out / "report.html").read_text()
+    probed = tmp_path / "probed.html"
+    probed.write_text(page.replace("</body>", PROBE + "</body>"))
+    flags = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+             "--virtual-time-budget=5000"]
+    dom = subprocess.run(flags + ["--dump-dom", probed.as_uri()], capture_output=True, text=True, timeout=60)
+    found = re.search(r"data-probe=\"([^\"]*)\"", dom.stdout)
+    assert found, dom.stderr[-2000:]
+    sizes = json.loads(found.group(1).replace("&quot;", '"'))
+    assert len(sizes) == 4 and all(w > 800 and done for w, done in sizes)
+    shot = tmp_path / "shot.png"
+    subprocess.run(flags + ["--window-size=1280,1600", f"--screenshot={shot}", (out / "report.html").as_uri()],
+                   capture_output=True, timeout=60, check=True)
+    assert _png_size(shot.read_bytes()) == (1280, 1600)
+    assert _has_colour(shot, figures.COMPUTE)  # the pictures are on the screen, not only in the DOM
