@@ -144,6 +144,19 @@ def test_report_summarises_and_plots(tmp_path, capsys):
     assert written and all(Path(p).stat().st_size > 1000 for p in written)
 
 
+def test_simulate_and_report_keep_the_k_v_schedules_apart(tmp_path):
+    out = tmp_path / "sim.csv"
+    settings = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp32",), s=64, window=(3, 0),
+                        kv_schedule=("ring", "direct"))
+    simulate([settings], BenchOptions(warmup=0, iters=1, phase="fwdbwd", csv=str(out), simulate=(4,)),
+             __import__("torch").device("cpu"))
+    df = load([out])
+    assert set(df["kv_schedule"]) == {"ring", "direct"}
+    steps = step_table(df)
+    assert set(steps["kv_schedule"]) == {"ring", "direct"}
+    assert len(steps) == 2 * 2 * 4    # schedule x phase x step
+
+
 def test_report_rejects_a_file_that_is_not_a_bench_csv(tmp_path):
     bad = tmp_path / "x.csv"
     bad.write_text("a,b\n1,2\n")

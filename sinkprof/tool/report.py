@@ -15,7 +15,7 @@ import pandas as pd
 from .output import Output, atomic_path
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h", "g", "d", "cp",
-             "backend", "simulated"]
+             "kv_schedule", "backend", "simulated"]
 COMM_KINDS = ("kv", "dkv", "a2a")
 
 
