@@ -4,5 +4,6 @@ __version__ = "0.1.0"
 from .context_parallel import cp_attention
 from .plan import shard, unshard
 from .reference import attention
+from .schedule import Transfer, comm_bytes
 
-__all__ = ["attention", "cp_attention", "shard", "unshard", "__version__"]
+__all__ = ["attention", "comm_bytes", "cp_attention", "shard", "unshard", "Transfer", "__version__"]

@@ -75,11 +75,3 @@ class GatherHeads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _scatter(grad, *ctx.args, "bwd"), None, None, None
-
-
-def expected_a2a_comm(members: int) -> dict:
-    """The comm-count contract of the re-layout: q, stacked k/v and out in forward; their
-    gradients in backward."""
-    if members == 1:
-        return {}
-    return {("fwd", -1, "a2a"): 3, ("bwd", -1, "a2a"): 3}

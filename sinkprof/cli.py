@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import typer
 
 from . import __version__
-from .options import MaskType, SinkStrategy
+from .options import KVSchedule, MaskType, SinkStrategy
 from .tool.cases import CaseOptions
 from .tool.errors import Command
 from .tool.output import Format, Output
@@ -77,6 +77,8 @@ CASE_OPTIONS = [
     _option("dtype", Optional[str], None, help="fp64, fp32, bf16, fp16 (comma list) or all."),
     _option("sink_strategy", Optional[str], None, "--sink-strategy", help="step0, post-merge or all."),
     _option("sink_grad", Optional[str], None, "--sink-grad", help="full, partial or all."),
+    _option("kv_schedule", Optional[str], None, "--kv-schedule",
+            help="How the ring moves K/V: auto (fewer bytes), ring, direct (comma list) or all."),
     _option("window", Optional[str], None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
     _option("bias", Optional[bool], None, "--bias/--no-bias", help="Add a learnable [1, h, S, S] bias."),
     _option("b", Optional[int], None, help="Batch."),
@@ -121,7 +123,8 @@ def check(
     case: CaseOptions,
     inject: Optional[str] = typer.Option(None, help="Inject a bug to prove the check fails: sink-every-tile, "
                                                     "no-sink-reduce, aliased-reference, vanilla-fallback, "
-                                                    "skip-sink-slice, stall, crash."),
+                                                    "skip-sink-slice, drop-halo (with --kv-schedule direct), "
+                                                    "stall, crash."),
     fmt: str = FORMAT,
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report here (whole file)."),
 ):
@@ -130,13 +133,14 @@ def check(
     Exit 0 when every case passes, 1 when any fails or hangs, 2 for usage errors.
     """
     from .faults import Fault
-    from .tool.check import check_job
+    from .tool.check import check_fault, check_job
     from .tool.launcher import launch
     from .tool.profiles import settings_for
 
     out = Output(Format.parse(fmt, Format.TABLE, Format.JSON), output, width=200)
     fault = Fault.parse(inject, "--inject") if inject else None
     groups = settings_for(case)
+    check_fault(fault, groups)
     raise typer.Exit(launch(check_job, (groups, fault, case.timeout, out), nproc=groups[0].nproc,
                             device=groups[0].device, backend=case.dist_backend, timeout=case.timeout,
                             run_timeout=case.run_timeout))
@@ -187,6 +191,8 @@ def emulate(
     mask: str = typer.Option("all", help="causal, no_mask or all."),
     strategy: str = typer.Option("all", help="Sink strategies: step0, post-merge, every-tile (the bug) or all."),
     window: Optional[str] = typer.Option(None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
+    kv_schedule: str = typer.Option("all", "--kv-schedule", help="K/V schedules to replay: ring, direct, auto "
+                                                                 "(comma list) or all (ring and direct)."),
     b: int = typer.Option(2, min=1, help="Batch."),
     s: int = typer.Option(64, min=2, help="Full sequence length (divisible by 2 * every cp)."),
     h: int = typer.Option(4, min=1, help="Query heads."),
@@ -206,8 +212,11 @@ def emulate(
     cps = split_list(cp, "--cp", positive_int)
     masks = split_list(mask, "--mask", lambda v, option: v, allowed=[m.value for m in MaskType])
     strategies = split_list(strategy, "--strategy", SinkStrategy.parse, allowed=[x.value for x in SinkStrategy])
+    schedules = split_list(kv_schedule, "--kv-schedule", KVSchedule.parse, allowed=[x.value for x in KVSchedule])
+    if kv_schedule.strip() == "all":
+        schedules = [KVSchedule.RING, KVSchedule.DIRECT]
     raise typer.Exit(run(cps, comm, a2a_size, masks, strategies, Shape(b, s, h, g, d), seed, window,
-                         Output(fmt, output)))
+                         Output(fmt, output), schedules))
 
 
 @command()

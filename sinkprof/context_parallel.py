@@ -15,7 +15,7 @@ from . import faults
 from .dist import DEFAULT_TIMEOUT_S, Communicator, SoloCommunicator
 from .hierarchical import CPGroups, hierarchical_attention, split_groups
 from .kernels import get_kernel
-from .options import (CommType, CPOptions, SinkGrad, check_bias, check_heads, check_offset, check_qkv,
+from .options import (CommType, CPOptions, KVSchedule, SinkGrad, check_bias, check_heads, check_offset, check_qkv,
                       check_scale, check_sink_strategy, make_spec)
 
 _comms: dict = {}
@@ -34,7 +34,7 @@ def comm_for(group=None, timeout: float = DEFAULT_TIMEOUT_S) -> Communicator:
 def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softmax_type="vanilla",
                  mask="no_mask", window=None, bias=None, scale=None, qkv_format="bshd", backend="auto",
                  sink_strategy=None, sink_grad="full", a2a_size: Optional[int] = None,
-                 timeout: float = DEFAULT_TIMEOUT_S):
+                 kv_schedule="auto", timeout: float = DEFAULT_TIMEOUT_S):
     """Attention over a sequence split across the ranks of ``group`` (default: the world).
 
     q, k, v are this rank's load-balanced shards (``sinkprof.shard``: chunks r and 2cp-1-r);
@@ -51,11 +51,19 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     ``comm``: ``p2p`` (ring), ``a2a`` (Ulysses: needs h and g divisible by the group size) or
     ``a2a+p2p`` (a2a inside groups of ``a2a_size`` consecutive ranks, a ring across them; or pass
     ``group=(a2a_group, p2p_group)``).
+
+    ``kv_schedule``: how the ring moves K/V and dK/dV (docs/design.md, section 5): ``ring``
+    (every step forwards whole shards to the next rank), ``direct`` (each owner sends each rank
+    exactly the rows its tiles read at the step that reads them, and the rows' dK/dV return to
+    the owner; a sliding window moves halos only) or ``auto`` (whichever moves fewer bytes for
+    this mask, window and cp; ``sinkprof.comm_bytes`` gives the bytes of each). It applies to the
+    ring of p2p and a2a+p2p; plain a2a has none.
     """
     spec = make_spec(softmax_type, mask, window, qkv_format)
     comm_type = CommType.parse(comm, "comm")
     strategy = None if sink_strategy is None else check_sink_strategy(sink_strategy)
     grad_contract = SinkGrad.parse(sink_grad, "sink_grad")
+    schedule = KVSchedule.parse(kv_schedule, "kv_schedule")
     dims = check_qkv(q, k, v, spec.qkv_format)
     if dims.s_q != dims.s_kv:
         raise ValueError(f"q has {dims.s_q} local rows and k has {dims.s_kv}: CP self-attention needs equal shards")
@@ -69,7 +77,8 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     check_bias(bias, dims.b, dims.h, full, full, q.device)
     check_heads(dims.h, dims.g, groups.inner.size)
     kernel = get_kernel(backend, q.device)
-    opts = CPOptions(spec, check_scale(scale, dims.d), kernel, strategy or kernel.sink_strategy, grad_contract)
+    opts = CPOptions(spec, check_scale(scale, dims.d), kernel, strategy or kernel.sink_strategy, grad_contract,
+                     schedule)
     if softmax_offset is not None:
         softmax_offset = ReplicatedGrad.apply(softmax_offset, groups, opts, "sink gradient all-reduce")
     if bias is not None:

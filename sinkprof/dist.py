@@ -1,7 +1,8 @@
 """The communicator the library runs on: a CP process group seen as a ring, with timeouts.
 
-- p2p exchanges with the ring neighbours, all-to-alls and all-reduces, each counted per
-  (phase, step, kind) so the check can hold them to the plan's comm-count contract.
+- p2p messages (to the ring neighbours, or to any peer of the direct schedule), all-to-alls and
+  all-reduces; every message is counted with its bytes per (phase, step, kind, peer) so the check
+  can hold them to the plan's byte contract (``sinkprof.schedule``).
 - Over NCCL the exchanges run on their own stream; over gloo CUDA tensors are staged through host
   memory (several ranks can share one GPU; correct but slow).
 - Every wait has a timeout and turns a hang into a ``CommError`` that says which rank, case,
@@ -12,9 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -45,27 +45,43 @@ class Where:
 where = Where()
 
 
+class Traffic(defaultdict):
+    """(phase, step, kind, peer) -> [messages sent, bytes sent, messages received, bytes received]."""
+
+    def __init__(self):
+        super().__init__(lambda: [0, 0, 0, 0])
+
+    def sent(self, key: tuple, t: torch.Tensor) -> None:
+        self[key][0] += 1
+        self[key][1] += t.nbytes
+
+    def received(self, key: tuple, t: torch.Tensor) -> None:
+        self[key][2] += 1
+        self[key][3] += t.nbytes
+
+    def as_dict(self) -> dict:
+        return {k: tuple(v) for k, v in self.items()}
+
+
 class Pending:
     """In-flight p2p work; ``wait`` finishes it (copying staged data back) or raises ``CommError``."""
 
-    def __init__(self, works, recv: torch.Tensor, host_recv: Optional[torch.Tensor], comm: "Communicator",
-                 what: str, token=None):
-        self.works, self.recv, self.host_recv, self.comm, self.what = works, recv, host_recv, comm, what
-        self.token = token
+    def __init__(self, works, staged: list, comm: "Communicator", what: str, token=None):
+        self.works, self.staged, self.comm, self.what, self.token = works, staged, comm, what, token
 
     def wait(self) -> None:
         stream = self.comm.stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.comm.wait_all(self.works, self.what)
-            if self.host_recv is not None:
-                self.recv.copy_(self.host_recv)
+            for recv, host_recv in self.staged:
+                recv.copy_(host_recv)
             profiling.active.comm_end(self.token, stream)
         if stream is not None:  # compute may use what arrived only once the exchange is done
             torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 class Communicator:
-    """A CP process group seen as a ring, with timeouts, host staging and message counts."""
+    """A CP process group seen as a ring, with timeouts, host staging and message and byte counts."""
 
     def __init__(self, group=None, timeout: float = DEFAULT_TIMEOUT_S):
         if not dist.is_initialized():
@@ -75,16 +91,17 @@ class Communicator:
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         self.ranks = dist.get_process_group_ranks(self.group)
-        self.next = self.ranks[(self.rank + 1) % self.size]
-        self.prev = self.ranks[(self.rank - 1) % self.size]
         self.staged = dist.get_backend(self.group) == "gloo"
         self.timeout = datetime.timedelta(seconds=timeout)
-        self.counts: Counter = Counter()
+        self.traffic = Traffic()
         # NCCL exchanges run on their own stream so compute and communication overlap and can be
         # timed apart; gloo stages through the host and needs none.
         self.stream = None
         if not self.staged and torch.cuda.is_available() and dist.get_backend(self.group) == "nccl":
             self.stream = torch.cuda.Stream(torch.cuda.current_device())
+            # A batch of p2p ops may involve a subset of the group (the direct schedule) only once
+            # the group has run a collective (torch.distributed.batch_isend_irecv's first-call rule).
+            self.all_reduce_(torch.zeros(1, device=torch.cuda.current_device()), "communicator start")
 
     def _host(self, t: torch.Tensor) -> bool:
         return self.staged and t.is_cuda
@@ -100,33 +117,49 @@ class Communicator:
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, kind: str, phase: str, step: int) -> Pending:
         """Send ``send`` to the next rank and receive ``recv`` from the previous one, asynchronously."""
-        self.counts[(phase, step, kind)] += 1
+        return self.post([(send, (self.rank + 1) % self.size)], [(recv, (self.rank - 1) % self.size)],
+                         kind, phase, step)
+
+    def post(self, sends: list, recvs: list, kind: str, phase: str, step: int) -> Pending:
+        """Send each ``(tensor, peer)`` of ``sends`` and receive into each of ``recvs``
+        asynchronously, as one batch; peers are ranks of this group."""
+        key = (phase, step, kind)
         where.phase, where.step, where.op = phase, step, f"{kind} exchange"
-        host_recv = None
-        if self._host(send):
-            send = send.cpu()
-            host_recv = torch.empty(recv.shape, dtype=recv.dtype)
         tag = 2 * step + (kind != "kv")
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
-               dist.P2POp(dist.irecv, host_recv if host_recv is not None else recv, self.prev, self.group, tag)]
-        what = f"{phase} step {step} {kind} exchange (send to rank {self.next}, receive from rank {self.prev})"
+        ops, staged = [], []
+        for t, peer in sends:
+            self.traffic.sent((*key, peer), t)
+            ops.append(dist.P2POp(dist.isend, t.cpu() if self._host(t) else t, self.ranks[peer], self.group, tag))
+        for t, peer in recvs:
+            self.traffic.received((*key, peer), t)
+            if self._host(t):
+                host = torch.empty(t.shape, dtype=t.dtype)
+                staged.append((t, host))
+                t = host
+            ops.append(dist.P2POp(dist.irecv, t, self.ranks[peer], self.group, tag))
+        what = (f"{phase} step {step} {kind} exchange (send to rank {', '.join(str(self.ranks[p]) for _, p in sends) or '-'}, "
+                f"receive from rank {', '.join(str(self.ranks[p]) for _, p in recvs) or '-'})")
         stream = self.stream
         if stream is not None:  # send what compute produced so far
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            token = profiling.active.comm_start(phase, step, kind, stream)
+            token = profiling.active.comm_start(phase, step, kind, stream, sum(t.nbytes for t, _ in sends))
             try:
                 works = dist.batch_isend_irecv(ops)
             except Exception as exc:  # a dead peer can fail the post itself
                 raise CommError(f"rank {dist.get_rank()}: {what} could not start at {where}: {exc}") from None
-        return Pending(works, recv, host_recv, self, what, token)
+        return Pending(works, staged, self, what, token)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, phase: str, what: str) -> None:
         """``out[j]`` = rank j's ``inp[me]``: dim 0 of both is the group size."""
-        self.counts[(phase, -1, "a2a")] += 1
+        for peer in range(self.size):
+            if peer != self.rank:
+                self.traffic.sent((phase, -1, "a2a", peer), inp[peer])
+                self.traffic.received((phase, -1, "a2a", peer), out[peer])
         where.phase, where.step, where.op = phase, -1, what
         staged = self._host(inp)
-        token = profiling.active.comm_start(phase, -1, "a2a")
+        token = profiling.active.comm_start(phase, -1, "a2a", None,
+                                            sum(inp[p].nbytes for p in range(self.size) if p != self.rank))
         send = inp.cpu() if staged else inp
         recv = torch.empty(out.shape, dtype=out.dtype) if staged else out
         try:
@@ -154,4 +187,4 @@ class SoloCommunicator:
     size, rank = 1, 0
 
     def __init__(self):
-        self.counts: Counter = Counter()
+        self.traffic = Traffic()

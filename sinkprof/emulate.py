@@ -1,7 +1,9 @@
 """The emulator: the exact ring schedule of every rank, replayed in one process (fp64 for the checks).
 
-K/V "communication" is indexing into the other ranks' shards, and dK/dV are added straight into
-their owner's accumulators; the loops themselves are the distributed ring's (``ring.run_*``).
+K/V "communication" is indexing into the other ranks' shards that exposes only the rows the
+communication schedule sends (a tile reading any other row raises ``ring.MissingRows``), and
+dK/dV are added into their owner's accumulators; the loops themselves are the distributed ring's
+(``ring.run_*``).
 """
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import torch
 
 from .a2a import join_outer
 from .kernels import TorchTiles
-from .options import AttnSpec, CPOptions, SinkStrategy, accum_dtype, check_a2a_size, check_heads, check_scale
-from .plan import global_rows, ring_plan, shard, unshard
+from .options import AttnSpec, CPOptions, KVSchedule, SinkStrategy, accum_dtype, check_a2a_size, check_heads, check_scale
+from .plan import global_rows, shard, unshard
 from .ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
+from .schedule import comm_schedule, row_bytes
 from .sink import sink_logits
 from .testing import Inputs, Result
 
@@ -22,12 +25,13 @@ from .testing import Inputs, Result
 class EmulatedRing:
     result: Result                   # unsharded outputs and gradients; d_offset is the CP sum
     d_sink_parts: list               # each rank's own rows' sink gradient (None without a sink)
+    kv_schedule: KVSchedule = KVSchedule.RING   # the K/V schedule replayed ('auto' resolved)
 
 
 def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy,
-                 scale=None, kernel=None) -> EmulatedRing:
+                 scale=None, kernel=None, kv_schedule="auto") -> EmulatedRing:
     """Run every rank's forward then backward tile schedule from the ring plan with the given tile
-    kernel (default: the torch tiles), on the inputs' device."""
+    kernel (default: the torch tiles), on the inputs' device, under the K/V schedule asked for."""
     fmt, sd = spec.qkv_format, spec.qkv_format.seq_dim
     s = inputs.q.shape[sd]
     chunk = s // (2 * cp)
@@ -45,7 +49,9 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
         return [fmt.to_bhsd(x) for x in xs]
 
     qs, ks, vs, dos = (shards(x) for x in (inputs.q, inputs.k, inputs.v, inputs.grad_out))
-    plans = [ring_plan(cp, r, chunk, spec.band) for r in ranks]
+    g, b = inputs.k.shape[2], inputs.q.shape[1 - sd]
+    schedule = comm_schedule(kv_schedule, cp, chunk, spec.band, *row_bytes(b, g, dim, inputs.q.dtype))
+    plans = schedule.plans
     positions = [global_rows(cp, r, chunk, dev) for r in ranks]
     biases = [BiasTiles(inputs.bias, plans[r], positions[r], positions, acc) if inputs.bias is not None else None
               for r in ranks]
@@ -56,7 +62,7 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
         o_acc = torch.full(qs[r].shape, float("nan"), dtype=acc, device=dev) if plans[r].accumulates else None
         lse = torch.full((qs[r].shape[1 - sd], h, 2 * chunk), float("nan"), dtype=acc, device=dev)
         out = torch.full_like(qs[r], float("nan"))
-        run_forward(plans[r], LocalKV(bhsd(ks), bhsd(vs)),
+        run_forward(plans[r], LocalKV(bhsd(ks), bhsd(vs), schedule, r, "fwd"),
                     state=ForwardState(fmt.to_bhsd(qs[r]), None if o_acc is None else fmt.to_bhsd(o_acc), lse,
                                        fmt.to_bhsd(out)),
                     sink=sink, bias=biases[r], opts=opts)
@@ -66,22 +72,22 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
     dqs = [torch.full(x.shape, float("nan"), dtype=acc, device=dev) for x in qs]   # step 0 writes every row
     dks = [torch.zeros(x.shape, dtype=acc, device=dev) for x in ks]
     dvs = [torch.zeros(x.shape, dtype=acc, device=dev) for x in vs]
-    dkv = LocalDKV(bhsd(dks), bhsd(dvs))
     parts = []
     for r in ranks:
+        dkv = LocalDKV(bhsd(dks), bhsd(dvs))
         state = BackwardState(fmt.to_bhsd(qs[r]), fmt.to_bhsd(outs[r]), fmt.to_bhsd(dos[r]), lses[r],
                               fmt.to_bhsd(dqs[r]))
-        parts.append(run_backward(plans[r], LocalKV(bhsd(ks), bhsd(vs)), dkv, state=state, sink=sink,
+        parts.append(run_backward(plans[r], LocalKV(bhsd(ks), bhsd(vs), schedule, r, "bwd"), dkv, state=state, sink=sink,
                                   bias=biases[r], opts=opts))
     d_offset = torch.stack(parts).sum(0) if inputs.offset is not None else None
     d_bias = torch.stack([b.grad for b in biases]).sum(0) if inputs.bias is not None else None
     result = Result(unshard(outs, sd), unshard(dqs, sd), unshard(dks, sd), unshard(dvs, sd), d_offset, d_bias,
                     unshard(lses, 2))
-    return EmulatedRing(result, parts)
+    return EmulatedRing(result, parts, schedule.kind)
 
 
 def emulate_hierarchical(inputs: Inputs, spec: AttnSpec, world: int, a2a_size: int, strategy: SinkStrategy,
-                         scale=None) -> EmulatedRing:
+                         scale=None, kv_schedule="auto") -> EmulatedRing:
     """a2a+p2p in one process: the a2a re-layout is indexing (``join_outer`` of the inner group's
     shards, the same function the distributed a2a uses), then one ring over the outer groups per
     inner head group. ``world`` ranks, inner groups of ``a2a_size``."""
@@ -104,7 +110,7 @@ def emulate_hierarchical(inputs: Inputs, spec: AttnSpec, world: int, a2a_size: i
             bias = bias[:, qh]
         part = Inputs(inputs.q[:, :, qh], inputs.k[:, :, kh], inputs.v[:, :, kh],
                       inputs.offset[:, qh] if inputs.offset is not None else None, bias, inputs.grad_out[:, :, qh])
-        runs.append(emulate_ring(part, spec, outer, strategy, scale))
+        runs.append(emulate_ring(part, spec, outer, strategy, scale, kv_schedule=kv_schedule))
     res = [r.result for r in runs]
     d_bias = None
     if inputs.bias is not None:
@@ -113,4 +119,4 @@ def emulate_hierarchical(inputs: Inputs, spec: AttnSpec, world: int, a2a_size: i
                     torch.cat([r.dk for r in res], 2), torch.cat([r.dv for r in res], 2),
                     torch.cat([r.d_offset for r in res], 1) if inputs.offset is not None else None, d_bias,
                     torch.cat([r.lse for r in res], 1))
-    return EmulatedRing(result, [p for r in runs for p in r.d_sink_parts])
+    return EmulatedRing(result, [p for r in runs for p in r.d_sink_parts], runs[0].kv_schedule)

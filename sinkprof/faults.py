@@ -25,6 +25,7 @@ class Fault(_Choice):
     ALIASED_REFERENCE = "aliased-reference"  # the reference shares storage with the CP gradients
     VANILLA_FALLBACK = "vanilla-fallback"    # the tiles drop the softmax type (TE's p2p bug)
     SKIP_SINK_SLICE = "skip-sink-slice"      # a2a gives every rank the first heads' sinks
+    DROP_HALO = "drop-halo"                  # the direct schedule leaves one halo row out of a K/V message
     STALL = "stall"                          # rank 1 stops answering in the forward ring
     CRASH = "crash"                          # rank 1 dies in the forward ring
 
@@ -57,6 +58,11 @@ class NoFault:
     def on_ring_step(self, rank: int, phase: str, step: int) -> None:
         """Called as a ring step's K/V is taken, before the next exchange is posted."""
 
+    def sent_rows(self, phase: str, step: int, owner: int, reader: int, rows: tuple) -> tuple:
+        """The rows of ``owner``'s K/V shard its message to ``reader`` carries for ``step`` under
+        the direct schedule (both ends ask, so they agree on the message's size)."""
+        return rows
+
     def alias_reference(self, offset, ref) -> None:
         """Called by ``check`` between the CP forward and backward with the learnable offset and
         the reference result."""
@@ -87,6 +93,14 @@ class Injected(NoFault):
             os._exit(CRASH_EXIT_CODE)
         while True:  # stall: stop answering; the peers' timeouts must catch it
             time.sleep(60)
+
+    def sent_rows(self, phase: str, step: int, owner: int, reader: int, rows: tuple) -> tuple:
+        # The halo bug: the forward message from rank 0 to rank 1 (their shared chunk boundary)
+        # misses its last row, the key nearest rank 1's first queries.
+        if self.fault is not Fault.DROP_HALO or (phase, owner, reader) != ("fwd", 0, 1) or not rows:
+            return rows
+        last = rows[-1]
+        return rows[:-1] + ((slice(last.start, last.stop - 1),) if last.stop - last.start > 1 else ())
 
     def alias_reference(self, offset, ref) -> None:
         # The seed bug: the "reference" gradient is the very tensor the CP backward accumulates into.

@@ -82,6 +82,14 @@ class CommType(_Choice):
     A2A_P2P = "a2a+p2p"
 
 
+class KVSchedule(_Choice):
+    """How K/V (and dK/dV) move between the ranks of a ring (docs/design.md, section 5)."""
+
+    AUTO = "auto"      # the one of the two that moves fewer bytes for this plan
+    RING = "ring"      # whole shards forwarded to the next rank every step
+    DIRECT = "direct"  # each owner sends each reader exactly the rows it reads, at the step it reads them
+
+
 class Backend(_Choice):
     AUTO = "auto"
     TORCH = "torch"
@@ -322,3 +330,4 @@ class CPOptions:
     kernel: object                               # a kernels.TileKernel
     sink_strategy: SinkStrategy = SinkStrategy.STEP0
     sink_grad: SinkGrad = SinkGrad.FULL
+    kv_schedule: KVSchedule = KVSchedule.AUTO

@@ -12,6 +12,13 @@ The backward runs the same steps in the same ring order: each step's tiles are r
 the final merged statistics, and the tiles that carry the sink (step 0's) return the sink gradient.
 Both the distributed ring and the fp64 emulator execute this plan.
 
+The plan also says which K/V rows each step reads (``Step.reads``: row ranges of the owner's
+shard, the union of its tiles' ``kv_rows``, each tile trimmed to the keys its band can see) and
+which rows the step's K/V buffer holds (``Step.held``, in buffer order; a tile's ``kv_rows``
+index that buffer). Under the ``ring`` schedule every step holds its owner's whole shard; under
+``direct`` a step after step 0 holds exactly the rows it reads, packed, and its tiles are
+remapped into them (docs/design.md, section 5: the communication schedule).
+
 The plan also says how each tile's result joins its rows (``Tile.merges``), so the forward makes
 as few passes over ``o`` as the rows allow: the first tile of a row (step 0's) writes straight into
 the output buffer, the second merges from there into the fp32 accumulator, and the last writes
@@ -27,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from .options import Band
+from .options import Band, KVSchedule
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ class RowMerge:
 @dataclass(frozen=True)
 class Tile:
     q_rows: slice     # rows of the local shard (0 .. 2c)
-    kv_rows: slice    # rows of the K/V shard held at this step (0 .. 2c)
+    kv_rows: slice    # rows of the K/V buffer held at this step (``Step.held``), the keys its band can see
     band: Band        # visibility in the tile's own coordinates
     sink: bool        # the first tile of its rows: carries their sink (step 0, each local row exactly once)
     merges: tuple[RowMerge, ...] = ()   # how a later tile joins its rows (empty for the first tiles)
@@ -53,6 +60,24 @@ class Step:
     index: int
     kv_rank: int               # whose K/V this step computes against
     tiles: tuple[Tile, ...]
+    reads: tuple[slice, ...] = ()   # rows of the owner's shard the tiles read (sorted, disjoint)
+    held: tuple[slice, ...] = ()    # rows of the owner's shard in this step's K/V buffer, in buffer order
+
+    @property
+    def held_rows(self) -> int:
+        return rows_in(self.held)
+
+    def source_rows(self, rows: slice) -> slice:
+        """The rows of the owner's shard behind ``rows`` of this step's K/V buffer (a tile's
+        ``kv_rows`` lies inside one held range)."""
+        at = 0
+        for part in self.held:
+            n = part.stop - part.start
+            if at <= rows.start and rows.stop <= at + n:
+                return slice(part.start + rows.start - at, part.start + rows.stop - at)
+            at += n
+        raise ValueError(f"rows {rows.start}..{rows.stop} of step {self.index}'s K/V buffer are not one held range "
+                         f"of {self.held}")
 
 
 @dataclass(frozen=True)
@@ -72,6 +97,22 @@ class RankPlan:
     def backward_steps(self) -> tuple[Step, ...]:
         """Backward visits the forward steps in ring order (dK/dV travel one hop behind K/V)."""
         return self.steps
+
+
+def rows_in(parts) -> int:
+    """How many rows a tuple of row ranges covers."""
+    return sum(p.stop - p.start for p in parts)
+
+
+def _union(parts) -> tuple[slice, ...]:
+    """Sorted, merged row ranges (touching ranges join)."""
+    out: list[slice] = []
+    for p in sorted(parts, key=lambda p: p.start):
+        if out and p.start <= out[-1].stop:
+            out[-1] = slice(out[-1].start, max(out[-1].stop, p.stop))
+        else:
+            out.append(p)
+    return tuple(out)
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -165,8 +206,23 @@ def _step_tiles(pairs: dict[tuple[int, int], Band], c: int) -> list[tuple[list[i
     return tiles
 
 
-def ring_plan(cp: int, rank: int, chunk: int, band: Band) -> RankPlan:
-    """The forward tiles of every ring step of ``rank`` for a global visibility ``band``."""
+def _visible_keys(kv_rows: slice, n_q: int, band: Band) -> tuple[slice, Band]:
+    """A tile's K/V rows trimmed to the keys its band lets some row see, and the band in the
+    trimmed tile's coordinates (key j is seen by a row iff ``lo <= j <= n_q - 1 + hi``)."""
+    n_kv = kv_rows.stop - kv_rows.start
+    lo, hi = band.clipped(n_q, n_kv)
+    first, last = max(0, lo), min(n_kv - 1, n_q - 1 + hi)
+    trimmed = slice(kv_rows.start + first, kv_rows.start + last + 1)
+    return trimmed, _normalized(band.shifted(-first), n_q, last - first + 1)
+
+
+def ring_plan(cp: int, rank: int, chunk: int, band: Band, kv_schedule=KVSchedule.RING) -> RankPlan:
+    """The forward tiles of every ring step of ``rank`` for a global visibility ``band``; under the
+    ``direct`` K/V schedule every step after step 0 holds only the rows it reads."""
+    kv_schedule = KVSchedule.parse(kv_schedule, "kv_schedule")
+    if kv_schedule is KVSchedule.AUTO:
+        raise ValueError("ring_plan needs a resolved kv_schedule ('ring' or 'direct'); "
+                         "sinkprof.schedule.comm_schedule resolves 'auto'")
     if not 0 <= rank < cp:
         raise ValueError(f"rank={rank} must be in [0, cp={cp})")
     if chunk < 1:
@@ -187,13 +243,32 @@ def ring_plan(cp: int, rank: int, chunk: int, band: Band) -> RankPlan:
             carries = i == 0 and not sink_rows.intersection(rows)
             if carries:
                 sink_rows.update(rows)
-            tiles.append(Tile(slice(rows[0] * chunk, (rows[-1] + 1) * chunk),
-                              slice(cols[0] * chunk, (cols[-1] + 1) * chunk), tile_band, carries))
-        steps.append(Step(i, src, tuple(tiles)))
+            q_rows = slice(rows[0] * chunk, (rows[-1] + 1) * chunk)
+            kv_rows, tile_band = _visible_keys(slice(cols[0] * chunk, (cols[-1] + 1) * chunk),
+                                               q_rows.stop - q_rows.start, tile_band)
+            tiles.append(Tile(q_rows, kv_rows, tile_band, carries))
+        reads = _union(t.kv_rows for t in tiles)
+        step = Step(i, src, tuple(tiles), reads, (slice(0, 2 * chunk),))
+        steps.append(_packed(step) if kv_schedule is KVSchedule.DIRECT and i > 0 else step)
     if sink_rows != {0, 1}:  # the diagonal is always visible, so step 0 covers every local row
         raise AssertionError(f"step 0 of rank {rank} does not cover every local row: {sink_rows}")
     steps, alone = _with_merges(steps, chunk)
     return RankPlan(cp, rank, chunk, steps, alone)
+
+
+def _packed(step: Step) -> Step:
+    """The step holding only the rows it reads, packed in order, its tiles remapped into them."""
+    starts, at = [], 0
+    for part in step.reads:
+        starts.append(at)
+        at += part.stop - part.start
+    tiles = []
+    for tile in step.tiles:
+        n, part = next((n, p) for n, p in enumerate(step.reads)
+                       if p.start <= tile.kv_rows.start and tile.kv_rows.stop <= p.stop)
+        start = starts[n] + tile.kv_rows.start - part.start
+        tiles.append(dataclasses.replace(tile, kv_rows=slice(start, start + tile.kv_rows.stop - tile.kv_rows.start)))
+    return dataclasses.replace(step, tiles=tuple(tiles), held=step.reads)
 
 
 def _with_merges(steps: list[Step], c: int) -> tuple[tuple[Step, ...], tuple[slice, ...]]:
@@ -221,27 +296,6 @@ def _with_merges(steps: list[Step], c: int) -> tuple[tuple[Step, ...], tuple[sli
                 else:
                     merges.append(RowMerge(slice(chunk * c, (chunk + 1) * c), second, last))
             tiles.append(dataclasses.replace(tile, merges=tuple(merges)))
-        out.append(Step(step.index, step.kv_rank, tuple(tiles)))
+        out.append(dataclasses.replace(step, tiles=tuple(tiles)))
     alone = tuple(slice(chunk * c, (chunk + 1) * c) for chunk, seen in visits.items() if len(seen) == 1)
     return tuple(out), alone
-
-
-@dataclass(frozen=True)
-class CommCount:
-    """Messages one rank sends (and receives) in one phase and step of the ring."""
-
-    phase: str    # "fwd" or "bwd"
-    step: int
-    kind: str     # "kv" or "dkv"
-    messages: int
-
-
-def expected_comm(cp: int) -> list[CommCount]:
-    """The comm-count contract (docs/design.md, section 5): K/V forward for steps 0..cp-2 in both
-    phases, dK/dV after every backward step (the last one carries each shard's gradient home)."""
-    if cp == 1:
-        return []
-    counts = [CommCount("fwd", i, "kv", 1) for i in range(cp - 1)]
-    counts += [CommCount("bwd", i, "kv", 1) for i in range(cp - 1)]
-    counts += [CommCount("bwd", i, "dkv", 1) for i in range(cp)]
-    return sorted(counts, key=lambda c: (c.phase, c.step, c.kind))

@@ -32,7 +32,7 @@ class NullProbe:
     def compute(self, phase: str, step: int):
         return self._null
 
-    def comm_start(self, phase: str, step: int, kind: str, stream=None):
+    def comm_start(self, phase: str, step: int, kind: str, stream=None, nbytes: int = 0):
         return None
 
     def comm_end(self, token, stream=None) -> None:
@@ -49,6 +49,7 @@ class Span:
     kind: str          # compute, kv, dkv, a2a, iteration
     start: object      # CUDA event or perf_counter seconds
     end: object = None
+    nbytes: object = ""  # communication spans: bytes this rank sent
 
 
 class _Clock:
@@ -136,9 +137,9 @@ class Probe:
     def compute(self, phase: str, step: int):
         return self._timed(f"{phase} step {step} compute rank {self.rank}", Span(phase, step, "compute", None))
 
-    def comm_start(self, phase: str, step: int, kind: str, stream=None):
+    def comm_start(self, phase: str, step: int, kind: str, stream=None, nbytes: int = 0):
         handles = self._open(f"{phase} step {step} {kind} rank {self.rank}", nested=False)
-        return Span(phase, step, kind, self.clock.mark(stream)), handles
+        return Span(phase, step, kind, self.clock.mark(stream), nbytes=nbytes), handles
 
     def comm_end(self, token, stream=None) -> None:
         span, handles = token
@@ -155,7 +156,8 @@ class Probe:
         rows = []
         for s in self.spans:
             start, end = self.clock.ms(self.ref, s.start), self.clock.ms(self.ref, s.end)
-            rows.append(dict(phase=s.phase, step=s.step, kind=s.kind, start_ms=start, end_ms=end, dur_ms=end - start))
+            rows.append(dict(phase=s.phase, step=s.step, kind=s.kind, start_ms=start, end_ms=end, dur_ms=end - start,
+                             bytes=s.nbytes))
         return rows
 
 

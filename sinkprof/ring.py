@@ -1,23 +1,28 @@
 """The p2p ring: one rank's forward and backward over the ring plan (docs/design.md, section 3).
 
 The loops here know nothing about communication: they ask a ``KVSource`` for the K/V of each
-step and a ``DKVSink`` for where that step's dK/dV go. The distributed ring (``cp_p2p``) hands
-them double-buffered isend/irecv exchanges; the fp64 emulator hands them plain indexing into
-every rank's shards. Both therefore execute literally the same schedule.
+step and a ``DKVSink`` for where that step's dK/dV go. The distributed ring hands them the
+messages of its communication schedule (``sinkprof.schedule``): double-buffered neighbour
+exchanges of whole shards (``RingKV``, ``RingDKV``) or the rows each step reads straight from
+their owner (``DirectKV``, ``DirectDKV``); the fp64 emulator hands them indexing into every
+rank's shards that exposes only what the schedule sends (``LocalKV``, ``LocalDKV``). All of them
+therefore execute literally the same plan.
 
 Tensors in the loops are ``[b, h, s, d]`` views (``[b, h, s]`` for lse), accumulators in fp32
 (fp64 for fp64 runs).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
 
 from . import faults, profiling
-from .options import CPOptions, SinkStrategy, accum_dtype
-from .plan import RankPlan, Step, Tile, global_rows, ring_plan
+from .options import CPOptions, KVSchedule, SinkStrategy, accum_dtype
+from .plan import RankPlan, Step, Tile, global_rows, rows_in
+from .schedule import CommSchedule, comm_schedule, row_bytes
 from .sink import fold_, merge_, sink_grad, sink_logits
 
 
@@ -34,29 +39,87 @@ class DKVSink(Protocol):
         """This step's tiles are in; pass the accumulators on."""
 
 
-class LocalKV:
-    """Every rank's K/V in memory: "communication" is indexing (the emulator, simulations)."""
+class MissingRows(RuntimeError):
+    """A tile read a K/V row that its owner did not send (the emulated direct schedule)."""
 
-    def __init__(self, ks, vs):
-        self.ks, self.vs = ks, vs
+
+def _whole(step: Step, rows: int) -> bool:
+    return step.held == (slice(0, rows),)
+
+
+def _held_index(step: Step, device) -> torch.Tensor:
+    """The owner's row behind each row of the step's K/V buffer."""
+    return torch.cat([torch.arange(p.start, p.stop, device=device) for p in step.held]) if step.held else \
+        torch.zeros(0, dtype=torch.int64, device=device)
+
+
+class LocalKV:
+    """Every rank's K/V in memory: "communication" is indexing (the emulator, simulations).
+
+    A step holding its owner's whole shard reads it in place. Otherwise (the direct schedule) the
+    step's buffer receives only the rows the owner sends (``schedule.kv_rows``, through
+    ``faults.active.sent_rows``), every other row is NaN, and a tile that reads a row which did
+    not arrive raises ``MissingRows``."""
+
+    def __init__(self, ks, vs, schedule: CommSchedule, reader: int, phase: str):
+        self.ks, self.vs, self.schedule, self.reader, self.phase = ks, vs, schedule, reader, phase
 
     def get(self, step: Step):
-        return self.ks[step.kv_rank], self.vs[step.kv_rank]
+        k, v = self.ks[step.kv_rank], self.vs[step.kv_rank]
+        shard = k.shape[2]
+        sent = self.schedule.kv_rows(self.reader, step.index)
+        if self.schedule.kind is KVSchedule.DIRECT and step.index > 0:
+            sent = faults.active.sent_rows(self.phase, step.index, step.kv_rank, self.reader, sent)
+        if _whole(step, shard) and sent == step.held:
+            return k, v
+        index = _held_index(step, k.device)
+        arrived = torch.zeros(shard, dtype=torch.bool, device=k.device)
+        for part in sent:
+            arrived[part] = True
+        filled = arrived[index]
+        for t, tile in enumerate(step.tiles):
+            if tile.kv_rows.stop > len(index) or not bool(filled[tile.kv_rows].all()):
+                owner_rows = index[tile.kv_rows][~filled[tile.kv_rows]].tolist() if tile.kv_rows.stop <= len(index) \
+                    else f"{tile.kv_rows.start}..{tile.kv_rows.stop} of a {len(index)}-row buffer"
+                raise MissingRows(f"rank {self.reader} {self.phase} step {step.index} tile {t} reads K/V rows "
+                                  f"{owner_rows} of rank {step.kv_rank}'s shard, which were not sent "
+                                  f"(sent {[(p.start, p.stop) for p in sent]})")
+        out = []
+        for x in (k, v):
+            buf = torch.full((*x.shape[:2], len(index), x.shape[3]), float("nan"), dtype=x.dtype, device=x.device)
+            buf[:, :, filled] = x[:, :, index[filled]]
+            out.append(buf)
+        return out[0], out[1]
 
 
 class LocalDKV:
-    """dK/dV added straight into their owner's accumulators (one per rank, or one shared)."""
+    """dK/dV added into their owner's accumulators (one per rank, or one shared): in place when
+    the step holds the owner's whole shard, else through the step's own rows."""
 
     def __init__(self, dks, dvs):
         self.dks, self.dvs = dks, dvs
+        self.part = None
 
-    def start(self, step: Step):
+    def _home(self, step: Step):
         if isinstance(self.dks, torch.Tensor):
             return self.dks, self.dvs
         return self.dks[step.kv_rank], self.dvs[step.kv_rank]
 
+    def start(self, step: Step):
+        dk, dv = self._home(step)
+        if _whole(step, dk.shape[2]):
+            self.part = None
+            return dk, dv
+        n = step.held_rows
+        self.part = tuple(x.new_zeros((*x.shape[:2], n, x.shape[3])) for x in (dk, dv))
+        return self.part
+
     def finish(self, step: Step) -> None:
-        """Nothing travels: the accumulators already are the owners'."""
+        """Rows held apart go home; the whole shard already is the owner's."""
+        if self.part is not None:
+            index = _held_index(step, self.part[0].device)
+            for home, part in zip(self._home(step), self.part):
+                home.index_add_(2, index, part)
 
 
 class BiasTiles:
@@ -68,7 +131,7 @@ class BiasTiles:
         self.index = {}
         for step in plan.steps:
             for t, tile in enumerate(step.tiles):
-                self.index[(step.index, t)] = (q_pos[tile.q_rows], kv_pos[step.kv_rank][tile.kv_rows])
+                self.index[(step.index, t)] = (q_pos[tile.q_rows], kv_pos[step.kv_rank][step.source_rows(tile.kv_rows)])
         self.grad = torch.zeros(bias.shape, dtype=grad_dtype, device=bias.device)
 
     def tile(self, step: Step, t: int) -> torch.Tensor:
@@ -246,6 +309,172 @@ class RingDKV:
         return self.incoming[self.last % 2]
 
 
+def _flat(like: torch.Tensor, seq_dim: int, rows: int, dtype=None) -> torch.Tensor:
+    """Storage for ``rows`` rows of ``like`` along ``seq_dim`` (views of any fewer rows are contiguous)."""
+    return torch.empty(like.numel() // like.shape[seq_dim] * rows, dtype=dtype or like.dtype, device=like.device)
+
+
+def _rows(flat: torch.Tensor, like: torch.Tensor, seq_dim: int, rows: int) -> torch.Tensor:
+    """A contiguous tensor shaped like ``like`` with ``rows`` rows along ``seq_dim``, in ``flat``."""
+    shape = list(like.shape)
+    shape[seq_dim] = rows
+    return flat[:math.prod(shape)].view(shape)
+
+
+def _pack(x: torch.Tensor, seq_dim: int, parts, out: torch.Tensor) -> torch.Tensor:
+    """The rows ``parts`` of ``x``, one after another, into ``out``."""
+    return torch.cat([x.narrow(seq_dim, p.start, p.stop - p.start) for p in parts], dim=seq_dim, out=out)
+
+
+class DirectKV:
+    """K/V of each step straight from its owner, only the rows its tiles read (``Step.held``).
+
+    As step i starts, step i+1's messages are posted as one batch: this rank's rows that its
+    reader ``rank + i + 1`` reads, and the rows it reads of owner ``rank - i - 1``; they are in
+    flight while step i computes. A step that reads nothing receives nothing; step 0 reads the
+    local shard."""
+
+    def __init__(self, comm, k: torch.Tensor, v: torch.Tensor, fmt, phase: str, schedule: CommSchedule):
+        self.comm, self.fmt, self.phase, self.schedule = comm, fmt, phase, schedule
+        self.plan = schedule.plans[comm.rank]
+        self.own = torch.stack([k, v])
+        self.sd = fmt.seq_dim + 1
+        largest = schedule.largest()
+        self.bufs = [_flat(self.own, self.sd, largest) for _ in range(2)]
+        self.out = _flat(self.own, self.sd, largest)
+        self.pending = None
+        self.landing = None   # (buffer, message, [(buffer row, message row, rows)]) when they differ
+
+    def get(self, step: Step):
+        i = step.index
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+            self._land()
+        faults.active.on_ring_step(self.comm.rank, self.phase, i)
+        if i + 1 < self.comm.size:
+            self._post(i + 1)
+        kv = self.own if i == 0 else _rows(self.bufs[i % 2], self.own, self.sd, step.held_rows)
+        return self.fmt.to_bhsd(kv[0]), self.fmt.to_bhsd(kv[1])
+
+    def _post(self, i: int) -> None:
+        me, cp, sd = self.comm.rank, self.comm.size, self.sd
+        owner, reader = (me - i) % cp, (me + i) % cp
+        held = self.plan.steps[i].held
+        leaving = faults.active.sent_rows(self.phase, i, me, reader, self.schedule.kv_rows(reader, i))
+        arriving = faults.active.sent_rows(self.phase, i, owner, me, held)
+        sends, recvs = [], []
+        if leaving:
+            sends.append((_pack(self.own, sd, leaving, _rows(self.out, self.own, sd, rows_in(leaving))), reader))
+        if arriving:
+            buf = _rows(self.bufs[i % 2], self.own, sd, rows_in(held))
+            if arriving == held:
+                recvs.append((buf, owner))
+            else:  # the message carries other rows than the buffer holds: place them, zero the rest
+                message = torch.empty_like(_rows(self.out, self.own, sd, rows_in(arriving)))
+                self.landing = (buf, message, _placement(held, arriving))
+                recvs.append((message, owner))
+        if sends or recvs:
+            self.pending = self.comm.post(sends, recvs, "kv", self.phase, i - 1)
+
+    def _land(self) -> None:
+        if self.landing is None:
+            return
+        buf, message, placement = self.landing
+        buf.zero_()
+        for at, src, n in placement:
+            buf.narrow(self.sd, at, n).copy_(message.narrow(self.sd, src, n))
+        self.landing = None
+
+
+def _placement(held, arriving) -> list[tuple[int, int, int]]:
+    """(buffer row, message row, rows) of each piece of ``arriving`` (message order) that lies in
+    ``held`` (buffer order)."""
+    out, src = [], 0
+    for a in arriving:
+        at = 0
+        for h in held:
+            lo, hi = max(a.start, h.start), min(a.stop, h.stop)
+            if lo < hi:
+                out.append((at + lo - h.start, src + lo - a.start, hi - lo))
+            at += h.stop - h.start
+        src += a.stop - a.start
+    return out
+
+
+class DirectDKV:
+    """dK/dV of the rows a step read return to their owner, who adds them to its own in the
+    accumulator dtype: step i's part is posted once its tiles are in (with the part this rank's
+    reader ``rank + i`` returns), and added at home after step i+1 computed. Step 0's tiles add
+    straight into the home accumulator."""
+
+    def __init__(self, comm, shape, dtype: torch.dtype, device, fmt, schedule: CommSchedule):
+        self.comm, self.fmt, self.schedule = comm, fmt, schedule
+        self.acc = torch.zeros((2, *shape), dtype=dtype, device=device)
+        self.sd = fmt.seq_dim + 1
+        largest = schedule.largest()
+        self.parts = [_flat(self.acc, self.sd, largest) for _ in range(2)]
+        self.incoming = [_flat(self.acc, self.sd, largest) for _ in range(2)]
+        self.pending = None
+        self.arrived = None   # (message, rows of this rank's shard it carries)
+
+    def start(self, step: Step):
+        part = self.acc if step.index == 0 else \
+            _rows(self.parts[step.index % 2], self.acc, self.sd, step.held_rows).zero_()
+        return self.fmt.to_bhsd(part[0]), self.fmt.to_bhsd(part[1])
+
+    def finish(self, step: Step) -> None:
+        self._land()
+        i, me, cp = step.index, self.comm.rank, self.comm.size
+        if i == 0:
+            return
+        owner, reader = (me - i) % cp, (me + i) % cp
+        theirs = self.schedule.kv_rows(reader, i)
+        sends = [(_rows(self.parts[i % 2], self.acc, self.sd, step.held_rows), owner)] if step.held else []
+        recvs = []
+        if theirs:
+            message = _rows(self.incoming[i % 2], self.acc, self.sd, rows_in(theirs))
+            self.arrived = (message, theirs)
+            recvs.append((message, reader))
+        if sends or recvs:
+            self.pending = self.comm.post(sends, recvs, "dkv", "bwd", i)
+
+    def _land(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        if self.arrived is not None:
+            message, rows = self.arrived
+            at = 0
+            for p in rows:
+                n = p.stop - p.start
+                self.acc.narrow(self.sd, p.start, n).add_(message.narrow(self.sd, at, n))
+                at += n
+            self.arrived = None
+
+    def home(self) -> torch.Tensor:
+        """``[2, *kv_shape]``: this rank's own dK and dV, summed over every rank's tiles."""
+        self._land()
+        return self.acc
+
+
+def kv_movers(schedule: CommSchedule, comm, k: torch.Tensor, v: torch.Tensor, fmt, phase: str, acc=None):
+    """The ``KVSource`` (and in the backward, with ``acc`` the accumulator dtype, the ``DKVSink``)
+    that move a rank's K/V and dK/dV under ``schedule``."""
+    if schedule.kind is KVSchedule.RING:
+        kv = RingKV(comm, k, v, fmt, phase)
+        return kv if acc is None else (kv, RingDKV(comm, k.shape, acc, k.device, fmt))
+    kv = DirectKV(comm, k, v, fmt, phase, schedule)
+    return kv if acc is None else (kv, DirectDKV(comm, k.shape, acc, k.device, fmt, schedule))
+
+
+def schedule_for(opts: CPOptions, comm, k: torch.Tensor, chunk: int) -> CommSchedule:
+    """The communication schedule of this call: ``opts.kv_schedule`` for a ring of ``comm.size``."""
+    fmt = opts.spec.qkv_format
+    kv_row, dkv_row = row_bytes(k.shape[1 - fmt.seq_dim], k.shape[2], k.shape[3], k.dtype)
+    return comm_schedule(opts.kv_schedule, comm.size, chunk, opts.spec.band, kv_row, dkv_row)
+
+
 class P2PAttention(torch.autograd.Function):
     """Ring attention over ``comm`` on this rank's load-balanced shard (user layout in and out)."""
 
@@ -253,7 +482,8 @@ class P2PAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, offset, bias, opts: CPOptions, comm):
         fmt = opts.spec.qkv_format
         chunk = q.shape[fmt.seq_dim] // 2
-        plan = ring_plan(comm.size, comm.rank, chunk, opts.spec.band)
+        schedule = schedule_for(opts, comm, k, chunk)
+        plan = schedule.plans[comm.rank]
         acc = accum_dtype(q.dtype)
         h = q.shape[2]
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, h, q.device))
@@ -261,25 +491,26 @@ class P2PAttention(torch.autograd.Function):
         o_acc = torch.empty(q.shape, dtype=acc, device=q.device) if plan.accumulates else None
         lse = torch.empty((q.shape[1 - fmt.seq_dim], h, 2 * chunk), dtype=acc, device=q.device)
         out = torch.empty_like(q)
-        run_forward(plan, RingKV(comm, k, v, fmt, "fwd"),
+        run_forward(plan, kv_movers(schedule, comm, k, v, fmt, "fwd"),
                     state=ForwardState(fmt.to_bhsd(q), None if o_acc is None else fmt.to_bhsd(o_acc), lse,
                                        fmt.to_bhsd(out)),
                     sink=sink, bias=bias_tiles, opts=opts)
         ctx.save_for_backward(q, k, v, out, lse, offset, bias)
-        ctx.opts, ctx.comm, ctx.plan, ctx.sink_is_param = opts, comm, plan, offset is not None
+        ctx.opts, ctx.comm, ctx.schedule, ctx.sink_is_param = opts, comm, schedule, offset is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, offset, bias = ctx.saved_tensors
-        opts, comm, plan = ctx.opts, ctx.comm, ctx.plan
+        opts, comm, schedule = ctx.opts, ctx.comm, ctx.schedule
+        plan = schedule.plans[comm.rank]
         fmt = opts.spec.qkv_format
         acc = accum_dtype(q.dtype)
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, plan.chunk, acc)
         dq = torch.empty(q.shape, dtype=acc, device=q.device)    # step 0 writes every row first
-        dkv = RingDKV(comm, k.shape, acc, q.device, fmt)
-        d_sink = run_backward(plan, RingKV(comm, k, v, fmt, "bwd"), dkv,
+        kv, dkv = kv_movers(schedule, comm, k, v, fmt, "bwd", acc)
+        d_sink = run_backward(plan, kv, dkv,
                               state=BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), fmt.to_bhsd(grad_out), lse,
                                                   fmt.to_bhsd(dq)),
                               sink=sink, bias=bias_tiles, opts=opts)

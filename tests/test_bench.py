@@ -30,10 +30,11 @@ def test_bench_csv_schema_rows_and_consistency(cli, tmp_path):
     out = tmp_path / "bench.csv"
     trace = tmp_path / "trace"
     res = cli("bench", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp32", "--warmup", "1",
-              "--iters", "3", "--csv", str(out), "--trace", str(trace))
+              "--iters", "3", "--csv", str(out), "--trace", str(trace), "--kv-schedule", "ring")
     assert res.returncode == 0, res.stdout + res.stderr
     df = pd.read_csv(out)
     assert list(df.columns) == COLUMNS
+    assert (df["kv_schedule"] == "ring").all()
     assert set(df["rank"]) == {0, 1} and set(df["iteration"]) == {0, 1, 2}
     assert df["run_id"].nunique() == 1 and (df["cp"] == 2).all()
     assert (df["backend"] == "torch").all() and (df["merges"] == "torch").all()   # CPU: no fused kernels
@@ -44,6 +45,9 @@ def test_bench_csv_schema_rows_and_consistency(cli, tmp_path):
                      ("fwd", 0, "kv"), ("bwd", 0, "kv"), ("bwd", 0, "dkv"), ("bwd", 1, "dkv"),
                      ("fwdbwd", -1, "iteration")}
     comm = df[df["kind"].isin(["kv", "dkv"])]
+    shard = 2 * 32 * 2 * 16           # b * s/cp * g * d: a whole K/V shard, in fp32 K/V and dK/dV alike
+    assert (comm["bytes"] == 2 * shard * 4).all()
+    assert df[df["kind"] == "compute"]["bytes"].isna().all()
     assert (comm["overlap_ms"] >= 0).all()
     assert ((comm["overlap_ms"] + comm["exposed_ms"] - comm["dur_ms"]).abs() < 1e-6).all()
     _assert_consistent(df)
@@ -52,6 +56,31 @@ def test_bench_csv_schema_rows_and_consistency(cli, tmp_path):
         assert f"fwd step 1 compute rank {rank}" in names and f"bwd step 0 dkv rank {rank}" in names
     its = iteration_table(load([out]))
     assert len(its) == 1 and its["tflops_per_gpu"].iloc[0] > 0
+
+
+def test_bench_direct_schedule_rows_carry_the_planned_bytes(cli, tmp_path):
+    import torch
+    from sinkprof import comm_bytes
+
+    out = tmp_path / "bench.csv"
+    res = cli("bench", "--nproc", "3", "--s", "48", "--softmax", "vanilla", "--mask", "causal", "--window", "3,0",
+              "--dtype", "bf16", "--kv-schedule", "direct", "--warmup", "0", "--iters", "1", "--csv", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    df = pd.read_csv(out)
+    assert (df["kv_schedule"] == "direct").all()
+    comm = df[df["kind"].isin(["kv", "dkv"])]
+    planned = comm_bytes(s=48, b=2, h=4, g=2, d=16, dtype=torch.bfloat16, cp=3, mask="causal", window=(3, 0),
+                         kv_schedule="direct")
+    want = {}
+    for t in planned:
+        if t.messages_sent or t.messages_received:
+            key = (t.rank, t.phase, t.step, t.kind)
+            want[key] = want.get(key, 0) + t.sent
+    got = {(r.rank, r.phase, r.step, r.kind): r.bytes for r in comm.itertuples()}
+    assert got == want
+    kv_row = 2 * 2 * 2 * 16 * 2                         # K and V rows of b=2, g=2, d=16 in bf16
+    assert got[(1, "fwd", 0, "kv")] == 3 * kv_row        # rank 1 sends its halo of 3 rows to rank 2 ...
+    assert got[(1, "bwd", 2, "dkv")] == 3 * 2 * kv_row   # ... and returns rank 2's halo gradient in fp32
 
 
 def test_a_crash_mid_run_keeps_the_rows_already_measured(cli, tmp_path):
@@ -113,6 +142,19 @@ def test_report_summarises_and_plots(tmp_path, capsys):
     assert set(steps["step"]) == {0, 1} and (steps["compute_ms"] > 0).all()
     written = report([out], str(tmp_path / "plots"))
     assert written and all(Path(p).stat().st_size > 1000 for p in written)
+
+
+def test_simulate_and_report_keep_the_k_v_schedules_apart(tmp_path):
+    out = tmp_path / "sim.csv"
+    settings = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp32",), s=64, window=(3, 0),
+                        kv_schedule=("ring", "direct"))
+    simulate([settings], BenchOptions(warmup=0, iters=1, phase="fwdbwd", csv=str(out), simulate=(4,)),
+             __import__("torch").device("cpu"))
+    df = load([out])
+    assert set(df["kv_schedule"]) == {"ring", "direct"}
+    steps = step_table(df)
+    assert set(steps["kv_schedule"]) == {"ring", "direct"}
+    assert len(steps) == 2 * 2 * 4    # schedule x phase x step
 
 
 def test_report_rejects_a_file_that_is_not_a_bench_csv(tmp_path):

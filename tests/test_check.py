@@ -91,3 +91,95 @@ def test_under_torchrun(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     assert doc["passed"] and doc["cp"] == 2 and len(doc["cases"]) == 2
+
+
+# Every mask and window the byte tests cover (chunk c = 4 rows: s = 8 * cp), both K/V schedules,
+# both sink strategies: one launch per cp.
+SCHEDULE_PROFILE = """
+softmax = ["learnable"]
+dtype = ["fp64"]
+sink_strategy = ["step0", "post-merge"]
+kv_schedule = ["ring", "direct"]
+b = 1
+h = 2
+g = 1
+d = 8
+[[cases]]
+mask = ["causal"]
+[[cases]]
+mask = ["no_mask"]
+[[cases]]
+mask = ["causal"]
+window = [2, 0]
+[[cases]]
+mask = ["causal"]
+window = [4, 0]
+[[cases]]
+mask = ["causal"]
+window = [9, 0]
+[[cases]]
+mask = ["no_mask"]
+window = [3, 2]
+"""
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_both_kv_schedules_pass_and_move_exactly_the_planned_bytes(cli, tmp_path, cp):
+    import torch
+    from sinkprof import comm_bytes
+
+    profile = tmp_path / "schedules.toml"
+    profile.write_text(SCHEDULE_PROFILE)
+    res = cli("check", "--profile", str(profile), "--nproc", str(cp), "--s", str(8 * cp), "--format", "json",
+              "--timeout", "60", "--run-timeout", "400", timeout=450)
+    doc = _json(res)
+    assert res.returncode == 0, res.stdout
+    assert len(doc["cases"]) == 6 * 2 * 2
+    for case in doc["cases"]:
+        assert case["passed"] and case["errors"]["comm"]["passed"], case
+        kv = case["kv_schedule"]
+        sh = case["shape"]
+        planned = comm_bytes(s=sh["s"], b=sh["b"], h=sh["h"], g=sh["g"], d=sh["d"], dtype=torch.float64, cp=cp,
+                             mask=case["mask"], window=case["window"], kv_schedule=case["kv_schedule"])
+        for phase, kinds in (("fwd", ("kv",)), ("bwd", ("kv", "dkv"))):
+            for kind in kinds:
+                sent = [t for t in planned if (t.phase, t.kind) == (phase, kind)]
+                assert case["traffic"][phase][kind] == {"messages": sum(t.messages_sent for t in sent),
+                                                        "bytes": sum(t.sent for t in sent)}, (phase, kind, kv)
+        assert case["traffic"]["total"]["bytes"] == sum(t.sent for t in planned)
+    schedules = {c["kv_schedule"] for c in doc["cases"]}
+    assert schedules == {"ring", "direct"}
+
+
+def test_drop_halo_makes_check_fail_and_is_refused_where_it_cannot_apply(cli):
+    res = cli("check", "--softmax", "learnable", "--mask", "causal", "--window", "3,0", "--dtype", "fp64",
+              "--kv-schedule", "direct", "--inject", "drop-halo", "--format", "json")
+    assert res.returncode == 1, res.stdout + res.stderr
+    doc = _json(res)
+    assert doc["passed"] is False and doc["fault"] == "drop-halo"
+    (case,) = doc["cases"]
+    assert not case["errors"]["comm"]["passed"] and not case["errors"]["out"]["passed"]
+    for args in (["--kv-schedule", "ring"], ["--comm", "a2a", "--kv-schedule", "direct"]):
+        res = cli("check", "--softmax", "learnable", "--mask", "causal", "--window", "3,0", "--dtype", "fp64",
+                  "--inject", "drop-halo", *args)
+        assert res.returncode == 2 and "drop-halo" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
+
+
+def test_a2a_p2p_runs_both_kv_schedules_over_its_ring_of_groups(cli):
+    import torch
+    from sinkprof import comm_bytes
+
+    res = cli("check", "--nproc", "4", "--comm", "a2a+p2p", "--a2a-size", "2", "--s", "32", "--softmax", "learnable",
+              "--mask", "causal", "--window", "3,0", "--dtype", "fp64,bf16", "--kv-schedule", "ring,direct",
+              "--format", "json")
+    doc = _json(res)
+    assert res.returncode == 0, res.stdout
+    assert {(c["kv_schedule"], c["dtype"]) for c in doc["cases"]} == {(k, d) for k in ("ring", "direct")
+                                                                       for d in ("fp64", "bf16")}
+    for case in doc["cases"]:
+        planned = comm_bytes(s=32, b=2, h=4, g=2, d=16, dtype={"fp64": torch.float64, "bf16": torch.bfloat16}[case["dtype"]],
+                             cp=4, mask="causal", window=(3, 0), comm="a2a+p2p", a2a_size=2,
+                             kv_schedule=case["kv_schedule"])
+        assert case["traffic"]["total"]["bytes"] == sum(t.sent for t in planned)
+        assert case["traffic"]["fwd"]["a2a"]["messages"] == 4 * 3

@@ -27,7 +27,8 @@ def test_emulate_json_schema_and_exit_code():
     assert doc["passed"] is True
     keys = {"cp", "mask", "strategy", "out_max_abs_err", "dq_max_abs_err", "dk_max_abs_err", "dv_max_abs_err",
             "dsink_max_abs_err", "dsink_ratio_min", "dsink_ratio_max"}
-    assert len(doc["results"]) == 2 * 3
+    assert len(doc["results"]) == 2 * 3 * 2   # cp x strategy x K/V schedule (ring and direct by default)
+    assert {r["kv_schedule"] for r in doc["results"]} == {"ring", "direct"}
     for row in doc["results"]:
         assert keys <= set(row)
     bug = [r for r in doc["results"] if r["strategy"] == "every-tile"]

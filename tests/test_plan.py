@@ -5,7 +5,9 @@ import torch
 
 import sinkprof
 from sinkprof.options import Band
-from sinkprof.plan import CommCount, chunk_ids, expected_comm, global_rows, ring_plan
+from sinkprof.plan import chunk_ids, global_rows, ring_plan
+from sinkprof.schedule import CommSchedule
+from sinkprof.options import KVSchedule
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -90,12 +92,20 @@ def test_equal_work_per_rank_under_the_causal_mask():
     assert len(set(work)) == 1
 
 
-def test_comm_count_contract():
-    assert expected_comm(1) == []
-    counts = expected_comm(3)
-    assert CommCount("fwd", 0, "kv", 1) in counts and CommCount("fwd", 2, "kv", 1) not in counts
-    assert sum(c.kind == "dkv" for c in counts) == 3
-    assert sum(c.kind == "kv" for c in counts) == 4
+def _sent_messages(cp, rank):
+    """(phase, step, kind) -> messages ``rank`` sends under the ring schedule."""
+    out = {}
+    for t in CommSchedule(KVSchedule.RING, cp, 2, Band(None, 0)).transfers(rank, 1, 1):
+        out[(t.phase, t.step, t.kind)] = out.get((t.phase, t.step, t.kind), 0) + t.messages_sent
+    return out
+
+
+def test_ring_schedule_message_counts():
+    assert _sent_messages(1, 0) == {}
+    counts = _sent_messages(3, 1)
+    assert counts.get(("fwd", 0, "kv")) == 1 and ("fwd", 2, "kv") not in counts
+    assert sum(n for (_, _, kind), n in counts.items() if kind == "dkv") == 3
+    assert sum(n for (_, _, kind), n in counts.items() if kind == "kv") == 4
 
 
 @pytest.mark.parametrize("cp,chunk", [(1, 4), (2, 3), (3, 4), (4, 2), (5, 3)])

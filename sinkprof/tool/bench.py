@@ -26,8 +26,9 @@ from ..dist import DEFAULT_TIMEOUT_S, where
 from ..faults import RANK_FAILURES, Fault
 from ..kernels import get_kernel
 from ..options import DTYPES, CommType, CPOptions, accum_dtype, check_scale, make_spec
-from ..plan import global_rows, ring_plan, shard
+from ..plan import global_rows, shard
 from ..ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
+from ..schedule import comm_schedule, resolved_kv_schedule, row_bytes
 from ..sink import sink_logits
 from ..testing import Shape, make_inputs
 from .cases import Case, Settings, expand
@@ -38,8 +39,8 @@ from .output import CsvStream, atomic_path
 PHASES = ("fwd", "bwd", "fwdbwd")
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
 COLUMNS = ["run_id", "timestamp", "rank", "iteration", "phase", "step", "kind", "start_ms", "end_ms", "dur_ms",
-           "overlap_ms", "exposed_ms", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h",
-           "g", "d", "cp", "a2a_size", "backend", "merges", "simulated", "flops", "device_name", "torch", "cudnn", "nccl",
+           "overlap_ms", "exposed_ms", "bytes", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s",
+           "h", "g", "d", "cp", "a2a_size", "kv_schedule", "backend", "merges", "simulated", "flops", "device_name", "torch", "cudnn", "nccl",
            "sinkprof", "git_sha"]
 
 
@@ -88,6 +89,15 @@ def _merges(device: torch.device) -> str:
     return "triton" if fused.disabled_reason() is None else "torch"
 
 
+def kv_schedule_of(case: Case, cp: int) -> str:
+    """The K/V schedule a case's ring runs (``auto`` resolved); empty when no ring runs."""
+    sh = case.shape
+    kind = resolved_kv_schedule(s=sh.s, b=sh.b, h=sh.h, g=sh.g, d=sh.d, dtype=DTYPES[case.dtype], cp=cp,
+                                mask=case.mask, window=case.window, comm=case.comm, a2a_size=case.a2a_size,
+                                kv_schedule=case.kv_schedule)
+    return "" if kind is None else kind.value
+
+
 def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simulated: bool, phase: str) -> dict:
     from ..kernels.cudnn import versions
     return {
@@ -96,6 +106,7 @@ def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simul
         "mask": case.mask.value, "window": "" if case.window is None else f"{case.window[0]},{case.window[1]}",
         "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
         "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm is CommType.A2A_P2P else "",
+        "kv_schedule": kv_schedule_of(case, cp),
         "backend": backend_name, "merges": _merges(device), "simulated": simulated,
         "flops": useful_flops(case, phase),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -232,7 +243,7 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
             return cp_attention(q, k, v, offset, comm=case.comm, softmax_type=case.softmax, mask=case.mask,
                                 window=case.window, bias=bias, qkv_format=case.qkv_format, backend=settings.backend,
                                 sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=opts.timeout,
-                                a2a_size=a2a_size)
+                                a2a_size=a2a_size, kv_schedule=case.kv_schedule)
 
     def bwd(out):
         out.backward(grad_out)
@@ -257,7 +268,8 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
 
 def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     """``--simulate``: every rank's compute schedule of a cp=N ring, one rank after another, on one
-    device; the same CSV schema without communication rows."""
+    device (K/V held as the case's K/V schedule holds them); the same CSV schema without
+    communication rows."""
     for cp in opts.simulate:
         for settings in groups:
             try:
@@ -294,11 +306,13 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
     copts = CPOptions(spec, check_scale(None, case.shape.d), kernel, case.sink_strategy)
     sink = sink_logits(spec.softmax_type, x.offset, case.shape.h, device)
     chunk = case.shape.s // (2 * cp)
+    schedule = comm_schedule(case.kv_schedule, cp, chunk, spec.band,
+                             *row_bytes(case.shape.b, case.shape.g, case.shape.d, dtype))
     ks = [fmt.to_bhsd(shard(x.k, cp, r, sd)) for r in range(cp)]
     vs = [fmt.to_bhsd(shard(x.v, cp, r, sd)) for r in range(cp)]
     positions = [global_rows(cp, r, chunk, device) for r in range(cp)]
     for rank in range(cp):
-        plan = ring_plan(cp, rank, chunk, spec.band)
+        plan = schedule.plans[rank]
         q = shard(x.q, cp, rank, sd)
         do = fmt.to_bhsd(shard(x.grad_out, cp, rank, sd))
         bias = BiasTiles(x.bias, plan, positions[rank], positions, acc) if x.bias is not None else None
@@ -314,10 +328,10 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
         bwd_state = BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), do, lse, fmt.to_bhsd(dq))
 
         def fwd(_inject):
-            run_forward(plan, LocalKV(ks, vs), state=fwd_state, sink=sink, bias=bias, opts=copts)
+            run_forward(plan, LocalKV(ks, vs, schedule, rank, "fwd"), state=fwd_state, sink=sink, bias=bias, opts=copts)
 
         def bwd(_out):
-            run_backward(plan, LocalKV(ks, vs), dkv, state=bwd_state, sink=sink, bias=bias, opts=copts)
+            run_backward(plan, LocalKV(ks, vs, schedule, rank, "bwd"), dkv, state=bwd_state, sink=sink, bias=bias, opts=copts)
 
         probe = profiling.Probe(rank, device, use_nvtx=opts.nvtx)
         with _capture(device, None, rank):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..dist import DEFAULT_TIMEOUT_S
-from ..options import (DTYPES, CommType, MaskType, QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size,
+from ..options import (DTYPES, CommType, KVSchedule, MaskType, QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size,
                        check_heads, check_sink_strategy, make_spec, parse_dtype, window_pair)
 from ..testing import Shape
 
@@ -25,6 +25,7 @@ class Settings:
     dtype: tuple = ("fp64", "bf16")
     sink_strategy: tuple = ("step0",)
     sink_grad: tuple = ("full",)
+    kv_schedule: tuple = ("auto",)
     window: Optional[tuple] = None
     bias: bool = False
     a2a_size: int = 2
@@ -42,7 +43,7 @@ class Settings:
         """Raise ValueError naming the setting for anything a run would trip over later, with the
         library's own checks (the ones ``cp_attention`` runs on the tensors)."""
         for name, enum in (("comm", CommType), ("softmax", SoftmaxType), ("mask", MaskType),
-                           ("qkv_format", QKVFormat), ("sink_grad", SinkGrad)):
+                           ("qkv_format", QKVFormat), ("sink_grad", SinkGrad), ("kv_schedule", KVSchedule)):
             for value in getattr(self, name):
                 enum.parse(value, name)
         for value in self.sink_strategy:
@@ -80,6 +81,7 @@ class Case:
     bias: bool
     shape: Shape
     a2a_size: int = 2
+    kv_schedule: KVSchedule = KVSchedule.AUTO
 
     @property
     def label(self) -> str:
@@ -91,6 +93,8 @@ class Case:
             parts.append(f"window={self.window[0]},{self.window[1]}")
         if self.bias:
             parts.append("bias")
+        if self.kv_schedule is not KVSchedule.AUTO:
+            parts.append(f"kv={self.kv_schedule.value}")
         return "/".join(parts)
 
 
@@ -98,8 +102,9 @@ def expand(settings: Settings) -> list[Case]:
     """The cross product of the settings' lists; sink options only multiply cases that have a sink."""
     shape = Shape(settings.b, settings.s, settings.h, settings.g, settings.d)
     cases = []
-    for comm, softmax, mask, fmt, dtype in itertools.product(settings.comm, settings.softmax, settings.mask,
-                                                             settings.qkv_format, settings.dtype):
+    for comm, softmax, mask, fmt, dtype, kv in itertools.product(settings.comm, settings.softmax, settings.mask,
+                                                                 settings.qkv_format, settings.dtype,
+                                                                 settings.kv_schedule):
         sm = SoftmaxType.parse(softmax, "softmax")
         strategies = settings.sink_strategy if sm.has_sink else settings.sink_strategy[:1]
         contracts = settings.sink_grad if sm.has_sink or settings.bias else settings.sink_grad[:1]
@@ -107,7 +112,7 @@ def expand(settings: Settings) -> list[Case]:
             cases.append(Case(CommType.parse(comm, "comm"), sm, MaskType.parse(mask, "mask"),
                               QKVFormat.parse(fmt, "qkv_format"), dtype, SinkStrategy.parse(strategy, "sink_strategy"),
                               SinkGrad.parse(contract, "sink_grad"), settings.window, settings.bias, shape,
-                              settings.a2a_size))
+                              settings.a2a_size, KVSchedule.parse(kv, "kv_schedule")))
     return cases
 
 
@@ -115,7 +120,8 @@ def expand(settings: Settings) -> list[Case]:
 ALL = {"comm": tuple(c.value for c in CommType), "softmax": tuple(s.value for s in SoftmaxType),
        "mask": tuple(m.value for m in MaskType), "qkv_format": tuple(f.value for f in QKVFormat),
        "dtype": tuple(DTYPES), "sink_grad": tuple(g.value for g in SinkGrad),
-       "sink_strategy": tuple(s.value for s in SinkStrategy if s is not SinkStrategy.EVERY_TILE)}
+       "sink_strategy": tuple(s.value for s in SinkStrategy if s is not SinkStrategy.EVERY_TILE),
+       "kv_schedule": tuple(k.value for k in KVSchedule if k is not KVSchedule.AUTO)}
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,7 @@ class CaseOptions:
     dtype: Optional[str] = None
     sink_strategy: Optional[str] = None
     sink_grad: Optional[str] = None
+    kv_schedule: Optional[str] = None
     window: Optional[str] = None
     bias: Optional[bool] = None
     b: Optional[int] = None

@@ -3,8 +3,9 @@
 Every rank builds the same seeded inputs, computes the fp64 reference on the full sequence (fresh
 tensors nothing else writes into, fingerprinted), runs the CP attention on its shard, and compares
 its shard of out, dq, dk, dv and the replicated gradients (sink, bias) under the chosen contract.
-Errors are reduced (max) over ranks; rank 0 reports. Message counts per ring step are checked
-against the plan (the comm-count contract).
+Errors are reduced (max) over ranks; rank 0 reports. The messages and bytes every rank sends and
+receives, per (phase, step, kind, peer), are checked against the plan's (the byte contract,
+``sinkprof.schedule``) and reported per case.
 """
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from .. import faults
-from ..a2a import expected_a2a_comm
 from ..context_parallel import comm_for, cp_attention, cp_groups
 from ..dist import where
 from ..faults import Fault
 from ..kernels import get_kernel
-from ..options import CommType, DTYPES, SinkGrad, make_spec
-from ..plan import chunk_ids, expected_comm, shard
+from ..options import CommType, DTYPES, KVSchedule, SinkGrad, make_spec
+from ..plan import chunk_ids, shard
+from ..schedule import PHASE_KINDS, CaseComm, case_comm
 from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_inputs, reference,
                        shares_storage, tolerance_for)
 from .cases import Case, Settings, a2a_members, expand
@@ -41,10 +42,13 @@ class CaseResult:
     seconds: float
     notes: list = field(default_factory=list)
     backend: str = "torch"        # the tile kernels that ran
+    kv_schedule: Optional[str] = None   # the ring's K/V schedule (auto resolved); None without a ring
+    traffic: dict = field(default_factory=dict)   # messages and bytes sent, summed over ranks
 
     def to_json(self) -> dict:
         c = self.case
-        return {"comm": c.comm.value, "softmax": c.softmax.value, "mask": c.mask.value,
+        return {"comm": c.comm.value, "kv_schedule": self.kv_schedule, "traffic": self.traffic,
+                "softmax": c.softmax.value, "mask": c.mask.value,
                 "qkv_format": c.qkv_format.value, "dtype": c.dtype, "cp": self.cp,
                 "sink_strategy": c.sink_strategy.value if c.softmax.has_sink else None,
                 "sink_grad": c.sink_grad.value, "window": list(c.window) if c.window else None, "bias": c.bias,
@@ -52,6 +56,29 @@ class CaseResult:
                 "errors": {k: {"max_abs": e.max_abs, "worst": e.worst, "passed": e.passed} for k, e in self.errors.items()},
                 "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol},
                 "backend": self.backend, "seconds": self.seconds, "notes": self.notes}
+
+
+def case_traffic(case: Case, cp: int) -> CaseComm:
+    """Where a case's messages go and how big they are, from the plan."""
+    sh = case.shape
+    return case_comm(s=sh.s, b=sh.b, h=sh.h, g=sh.g, d=sh.d, dtype=DTYPES[case.dtype], cp=cp, mask=case.mask,
+                     window=case.window, comm=case.comm, a2a_size=case.a2a_size, kv_schedule=case.kv_schedule)
+
+
+def check_fault(fault: Optional[Fault], groups: list) -> None:
+    """Refuse, before any rank starts, a fault that none of the run's messages would carry."""
+    if fault is not Fault.DROP_HALO:
+        return
+    for settings in groups:
+        for case in expand(settings):
+            schedule = case_traffic(case, settings.nproc).schedule
+            if case.comm is CommType.A2A or schedule is None or schedule.kind is not KVSchedule.DIRECT:
+                raise ValueError(f"--inject drop-halo drops a row of a direct-schedule K/V message; case {case.label} "
+                                 f"runs no direct schedule (use --comm p2p or a2a+p2p with --kv-schedule direct "
+                                 f"and at least two ring ranks)")
+            if not schedule.kv_rows(1, 1):
+                raise ValueError(f"--inject drop-halo: in case {case.label} ring rank 0 sends ring rank 1 no K/V "
+                                 f"row, so there is no halo to drop (use a window with left >= 1)")
 
 
 # The tensors compared, in a fixed order so ranks can reduce them element by element.
@@ -102,13 +129,13 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     a2a_size = case.a2a_size if case.comm is CommType.A2A_P2P else None
     groups = cp_groups(case.comm, None, a2a_size, timeout)
     for c in (groups.inner, groups.outer):
-        c.counts.clear()
+        c.traffic.clear()
 
     t0 = time.perf_counter()
     out = cp_attention(q, k, v, offset, comm=case.comm, softmax_type=case.softmax, mask=case.mask,
                        window=case.window, bias=bias, qkv_format=case.qkv_format, backend=backend,
                        sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=timeout,
-                       a2a_size=a2a_size)
+                       a2a_size=a2a_size, kv_schedule=case.kv_schedule)
     faults.active.alias_reference(offset, ref)
     out.backward(grad_out)
     if device.type == "cuda":
@@ -136,10 +163,17 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
             errors[name + "_sum"] = compare(total, full_ref, tol)
 
     notes = []
-    for group, expected in ((groups.outer, {(c.phase, c.step, c.kind): c.messages for c in expected_comm(groups.outer.size)}),
-                            (groups.inner, expected_a2a_comm(groups.inner.size))):
-        if dict(group.counts) != expected:
-            notes.append(f"rank {rank}: messages per step {dict(group.counts)} differ from the plan's {expected}")
+    planned = case_traffic(case, cp)
+    errors["comm"] = Error(0.0, 0.0, True)   # the byte contract, shown for every case
+    for group, expected in ((groups.outer, planned.ring_transfers(groups.outer.rank)),
+                            (groups.inner, planned.a2a_transfers(groups.inner.rank))):
+        want = {t.key: t.counts for t in expected}
+        got_traffic = group.traffic.as_dict()
+        if got_traffic != want:
+            diff = {k: (got_traffic.get(k), want.get(k)) for k in sorted(set(want) | set(got_traffic), key=str)
+                    if got_traffic.get(k) != want.get(k)}
+            notes.append(f"rank {rank}: messages and bytes (sent, bytes, received, bytes) per (phase, step, kind, "
+                         f"peer) differ from the plan's, as (moved, planned): {diff}"[:1000])
             errors["comm"] = Error(float("nan"), float("inf"), False)
     refused = {k: v for k, v in getattr(kernel, "refused", dict)().items() if k not in refused_before}
     if refused:
@@ -151,7 +185,29 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
         notes.append(f"rank {rank}: the reference is not independent of the CP run "
                      f"(shares storage: {aliased or '-'}; modified after it was computed: {changed or '-'})")
         errors["reference"] = Error(float("nan"), float("inf"), False)
-    return _reduce(case, cp, errors, tol, seconds, notes, info, comm, kernel.name)
+    result = _reduce(case, cp, errors, tol, seconds, notes, info, comm, kernel.name)
+    result.kv_schedule = planned.schedule.kind.value if planned.schedule is not None else None
+    result.traffic = _traffic(groups, info, comm)
+    return result
+
+
+def _traffic(groups, info: RankInfo, comm) -> dict:
+    """Messages and bytes sent per phase and kind, and in all, summed over ranks (every message
+    counted once, by its sender)."""
+    dev = info.device if info.backend == "nccl" else torch.device("cpu")
+    values = []
+    for phase, kind in PHASE_KINDS:
+        sent = [v for g in (groups.outer, groups.inner) for k, v in g.traffic.items() if (k[0], k[2]) == (phase, kind)]
+        values += [sum(v[0] for v in sent), sum(v[1] for v in sent)]
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    comm.all_reduce_(t, "traffic sum")
+    vals = [int(x) for x in t.tolist()]
+    out: dict = {}
+    for (phase, kind), messages, nbytes in zip(PHASE_KINDS, vals[0::2], vals[1::2]):
+        if messages:
+            out.setdefault(phase, {})[kind] = {"messages": messages, "bytes": nbytes}
+    out["total"] = {"messages": sum(vals[0::2]), "bytes": sum(vals[1::2])}
+    return out
 
 
 def _reduce(case, cp, errors, tol, seconds, notes, info: RankInfo, comm, backend: str) -> CaseResult:

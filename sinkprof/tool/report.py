@@ -19,7 +19,7 @@ import pandas as pd
 from .output import STDOUT, Output, atomic_path, write_text
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h", "g", "d", "cp",
-             "backend", "simulated"]
+             "kv_schedule", "backend", "simulated"]
 COMM_KINDS = ("kv", "dkv", "a2a")
 
 # What a bench CSV must hold, and what report fills in when a CSV of an older (or newer) version
@@ -29,7 +29,7 @@ OPTIONAL_COLUMNS = {
     "timestamp": "", "start_ms": float("nan"), "end_ms": float("nan"), "overlap_ms": float("nan"),
     "exposed_ms": float("nan"), "comm": "", "softmax": "", "sink_strategy": "", "mask": "", "window": "",
     "dtype": "", "b": "", "s": "", "h": "", "g": "", "d": "", "cp": None,  # None: the number of ranks of the run
-    "a2a_size": "", "backend": "", "merges": "", "simulated": False, "predicted": False,
+    "a2a_size": "", "kv_schedule": "", "backend": "", "merges": "", "simulated": False, "predicted": False,
     "flops": float("nan"), "bytes": float("nan"), "device_name": "", "torch": "", "cudnn": "", "nccl": "",
     "sinkprof": "", "git_sha": "",
 }

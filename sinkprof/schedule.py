@@ -1,0 +1,218 @@
+"""The communication schedule of the ring and its byte contract (docs/design.md, section 5).
+
+Built from every rank's plan (``plan.ring_plan``), as data: which rows of whose K/V shard each
+rank receives for each step, and so which bytes move, per (phase, step, kind, peer).
+
+- ``ring``: every step forwards the whole K/V shard held to the next rank (steps 0 .. cp-2 of
+  the forward and the backward), and dK/dV travel one hop behind, a whole shard after every
+  backward step (the last one carries each shard's gradient home).
+- ``direct``: the owner of a shard sends each reader exactly the rows its tiles read at that step
+  (``Step.held``), and the reader returns those rows' dK/dV partial to the owner after computing
+  it; a step that reads nothing moves nothing.
+
+A message is labelled with the step during which it is in flight: the K/V a rank computes with at
+step i+1 is posted as step i starts (label i), so it overlaps step i's compute; a dK/dV message
+is labelled with the step whose tiles produced it. ``auto`` takes the schedule that moves fewer
+bytes in all (ties go to the ring). Nothing here needs a process group: ``comm_bytes`` gives the
+bytes of any shape on any cp, for models of links as much as for ``sinkprof check``.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .options import CommType, KVSchedule, accum_dtype, check_a2a_size, check_heads, make_spec
+from .plan import RankPlan, ring_plan, rows_in
+
+PHASE_KINDS = (("fwd", "kv"), ("fwd", "a2a"), ("bwd", "kv"), ("bwd", "dkv"), ("bwd", "a2a"))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What one rank sends to and receives from one peer in one (phase, step, kind): messages and
+    bytes. ``rank`` and ``peer`` are ranks of the group the messages travel in (CP-group ranks
+    from ``comm_bytes``); a2a re-layouts have step -1."""
+
+    rank: int
+    phase: str        # "fwd" or "bwd"
+    step: int
+    kind: str         # "kv", "dkv" or "a2a"
+    peer: int
+    sent: int         # bytes
+    received: int     # bytes
+    messages_sent: int
+    messages_received: int
+
+    @property
+    def key(self) -> tuple:
+        return self.phase, self.step, self.kind, self.peer
+
+    @property
+    def counts(self) -> tuple[int, int, int, int]:
+        return self.messages_sent, self.sent, self.messages_received, self.received
+
+
+class CommSchedule:
+    """Every rank's plan under one K/V schedule, and what moves between them."""
+
+    def __init__(self, kind: KVSchedule, cp: int, chunk: int, band):
+        if kind is KVSchedule.AUTO:
+            raise ValueError("CommSchedule needs 'ring' or 'direct'; comm_schedule resolves 'auto'")
+        self.kind, self.cp, self.chunk, self.band = kind, cp, chunk, band
+        self.plans: tuple[RankPlan, ...] = tuple(ring_plan(cp, r, chunk, band, kind) for r in range(cp))
+
+    def kv_rows(self, reader: int, step: int) -> tuple[slice, ...]:
+        """Rows of rank ``(reader - step) % cp``'s shard that ``reader`` holds at ``step`` (the
+        message its owner sends it under ``direct``; the whole shard under ``ring``)."""
+        return self.plans[reader].steps[step].held
+
+    def largest(self) -> int:
+        """The most rows any rank receives (or sends) for one step after step 0."""
+        return max((s.held_rows for p in self.plans for s in p.steps[1:]), default=0)
+
+    def transfers(self, rank: int, kv_row_bytes: int, dkv_row_bytes: int) -> list[Transfer]:
+        """Every (phase, step, kind, peer) of ``rank``'s K/V and dK/dV messages; ``kv_row_bytes``
+        is one row of K and V together, ``dkv_row_bytes`` one row of dK and dV (accumulator dtype)."""
+        cp, out = self.cp, {}
+
+        def add(phase, step, kind, peer, sent_rows, received_rows, row_bytes):
+            key = (phase, step, kind, peer)
+            m_s, b_s, m_r, b_r = out.get(key, (0, 0, 0, 0))
+            if sent_rows:
+                m_s, b_s = m_s + 1, b_s + sent_rows * row_bytes
+            if received_rows:
+                m_r, b_r = m_r + 1, b_r + received_rows * row_bytes
+            if m_s or m_r:
+                out[key] = (m_s, b_s, m_r, b_r)
+
+        shard = 2 * self.chunk
+        if cp > 1 and self.kind is KVSchedule.RING:
+            nxt, prev = (rank + 1) % cp, (rank - 1) % cp
+            for phase in ("fwd", "bwd"):
+                for i in range(cp - 1):
+                    add(phase, i, "kv", nxt, shard, 0, kv_row_bytes)
+                    add(phase, i, "kv", prev, 0, shard, kv_row_bytes)
+            for i in range(cp):
+                add("bwd", i, "dkv", nxt, shard, 0, dkv_row_bytes)
+                add("bwd", i, "dkv", prev, 0, shard, dkv_row_bytes)
+        elif cp > 1:
+            for i in range(1, cp):
+                owner, reader = (rank - i) % cp, (rank + i) % cp
+                mine, theirs = rows_in(self.kv_rows(rank, i)), rows_in(self.kv_rows(reader, i))
+                for phase in ("fwd", "bwd"):  # posted as step i-1 starts
+                    add(phase, i - 1, "kv", reader, theirs, 0, kv_row_bytes)
+                    add(phase, i - 1, "kv", owner, 0, mine, kv_row_bytes)
+                add("bwd", i, "dkv", owner, mine, 0, dkv_row_bytes)
+                add("bwd", i, "dkv", reader, 0, theirs, dkv_row_bytes)
+        return [Transfer(rank, *key, b_s, b_r, m_s, m_r) for key, (m_s, b_s, m_r, b_r) in sorted(out.items())]
+
+    def total_bytes(self, kv_row_bytes: int, dkv_row_bytes: int) -> int:
+        """Bytes sent by all ranks together, forward and backward."""
+        return sum(t.sent for r in range(self.cp) for t in self.transfers(r, kv_row_bytes, dkv_row_bytes))
+
+
+def row_bytes(b: int, g: int, d: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of one K and V row, bytes of one dK and dV row) of ``b`` sequences, ``g`` K/V heads."""
+    elems = 2 * b * g * d
+    return (elems * torch.empty((), dtype=dtype).element_size(),
+            elems * torch.empty((), dtype=accum_dtype(dtype)).element_size())
+
+
+@functools.lru_cache(maxsize=256)
+def comm_schedule(kv_schedule, cp: int, chunk: int, band, kv_row_bytes: int, dkv_row_bytes: int) -> CommSchedule:
+    """The schedule asked for; ``auto`` is the one moving fewer bytes in all (ring on a tie).
+    Every rank computes the same answer from the same plan."""
+    kind = KVSchedule.parse(kv_schedule, "kv_schedule")
+    if kind is not KVSchedule.AUTO:
+        return CommSchedule(kind, cp, chunk, band)
+    ring = CommSchedule(KVSchedule.RING, cp, chunk, band)
+    direct = CommSchedule(KVSchedule.DIRECT, cp, chunk, band)
+    if direct.total_bytes(kv_row_bytes, dkv_row_bytes) < ring.total_bytes(kv_row_bytes, dkv_row_bytes):
+        return direct
+    return ring
+
+
+def a2a_transfers(members: int, rank: int, q_piece: int, kv_piece: int) -> list[Transfer]:
+    """The a2a re-layout of one member of an inner group: per phase three all-to-alls (q, stacked
+    K/V and the output; in the backward their gradients), ``q_piece`` bytes (the output's piece is
+    the same size) and ``kv_piece`` bytes to and from every other member."""
+    per = 2 * q_piece + kv_piece
+    return [Transfer(rank, phase, -1, "a2a", peer, per, per, 3, 3)
+            for phase in ("fwd", "bwd") for peer in range(members) if peer != rank]
+
+
+@dataclass(frozen=True)
+class CaseComm:
+    """Where a case's messages travel: the outer ring's schedule, and the inner a2a group."""
+
+    schedule: Optional[CommSchedule]    # None when the ring has one rank (plain a2a)
+    ring_size: int
+    a2a_size: int
+    kv_row_bytes: int
+    dkv_row_bytes: int
+    q_piece: int
+    kv_piece: int
+
+    def ring_transfers(self, ring_rank: int) -> list[Transfer]:
+        if self.schedule is None:
+            return []
+        return self.schedule.transfers(ring_rank, self.kv_row_bytes, self.dkv_row_bytes)
+
+    def a2a_transfers(self, inner_rank: int) -> list[Transfer]:
+        return a2a_transfers(self.a2a_size, inner_rank, self.q_piece, self.kv_piece) if self.a2a_size > 1 else []
+
+
+def case_comm(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp: int, mask="no_mask", window=None,
+              comm="p2p", a2a_size: Optional[int] = None, kv_schedule="auto") -> CaseComm:
+    """The schedule and message sizes of one case (the arguments of ``comm_bytes``)."""
+    spec = make_spec("vanilla", mask, window, "bshd")
+    comm_type = CommType.parse(comm, "comm")
+    members = {CommType.P2P: 1, CommType.A2A: cp}.get(comm_type, a2a_size)
+    if members is None:
+        raise ValueError("comm='a2a+p2p' needs a2a_size (ranks per inner a2a group)")
+    check_a2a_size(members, cp)
+    check_heads(h, g, members)
+    ring_size = cp // members
+    if s % (2 * cp):
+        raise ValueError(f"s={s} must be divisible by 2 * cp = {2 * cp} (load-balanced chunks)")
+    kv_row, dkv_row = row_bytes(b, g // members, d, dtype)
+    schedule = comm_schedule(kv_schedule, ring_size, s // (2 * ring_size), spec.band, kv_row, dkv_row) \
+        if ring_size > 1 else None
+    size = torch.empty((), dtype=dtype).element_size()
+    local = s // cp
+    return CaseComm(schedule, ring_size, members, kv_row, dkv_row, b * local * (h // members) * d * size,
+                    2 * b * local * (g // members) * d * size)
+
+
+def comm_bytes(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp: int, mask="no_mask",
+               window=None, comm="p2p", a2a_size: Optional[int] = None, kv_schedule="auto") -> list[Transfer]:
+    """Every message of one CP attention's forward and backward, from the plan alone (no process
+    group): one ``Transfer`` per (rank, phase, step, kind, peer), ranks and peers numbered in
+    the CP group. The arguments are ``cp_attention``'s words: ``s`` the full sequence, ``h`` query
+    heads, ``g`` K/V heads, ``dtype`` of q, k, v (dK/dV travel in its accumulator dtype: fp32,
+    fp64 for fp64). Under ``a2a+p2p`` the inner group of CP rank ``o * a2a_size + i`` is
+    ``o * a2a_size ..``, its ring links the ranks ``j * a2a_size + i``.
+    ``sum(t.sent for t in comm_bytes(...) if t.rank == r)`` is what rank r sends in all."""
+    case = case_comm(s=s, b=b, h=h, g=g, d=d, dtype=dtype, cp=cp, mask=mask, window=window, comm=comm,
+                     a2a_size=a2a_size, kv_schedule=kv_schedule)
+    a = case.a2a_size
+    out = []
+    for rank in range(cp):
+        outer, inner = divmod(rank, a)
+        for t in case.ring_transfers(outer):
+            out.append(Transfer(rank, t.phase, t.step, t.kind, t.peer * a + inner, t.sent, t.received,
+                                t.messages_sent, t.messages_received))
+        for t in case.a2a_transfers(inner):
+            out.append(Transfer(rank, t.phase, t.step, t.kind, outer * a + t.peer, t.sent, t.received,
+                                t.messages_sent, t.messages_received))
+    return out
+
+
+def resolved_kv_schedule(**case) -> Optional[KVSchedule]:
+    """The schedule ``auto`` (or the given one) comes to for a case given as ``comm_bytes``'s
+    arguments; None when no ring runs (plain a2a, or cp 1)."""
+    schedule = case_comm(**case).schedule
+    return None if schedule is None else schedule.kind

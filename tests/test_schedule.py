@@ -1,0 +1,222 @@
+"""The communication schedule: exact bytes per (phase, step, kind, peer) from the plan, against an
+oracle that reads the mask directly; the emulator's strictness; the gpt-oss and causal targets."""
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+import sinkprof
+from sinkprof import faults
+from sinkprof.emulate import emulate_ring
+from sinkprof.faults import Fault
+from sinkprof.options import Band, KVSchedule, make_spec
+from sinkprof.plan import global_rows, ring_plan
+from sinkprof.ring import LocalKV, MissingRows
+from sinkprof.schedule import CommSchedule, comm_schedule
+from sinkprof.testing import Shape, make_inputs, reference
+
+C = 4  # rows per chunk in the exact tests
+# (name, band): causal, no mask, windows narrower than, as wide as and wider than a chunk, two-sided.
+BANDS = [("causal", Band(None, 0)), ("no_mask", Band()), ("w<c", Band(-2, 0)), ("w=c", Band(-C, 0)),
+         ("w>c", Band(-(C + 3), 0)), ("w>2c", Band(-(2 * C + 1), 0)), ("two-sided", Band(-3, 2)),
+         ("two-sided-wide", Band(-(C + 1), C + 2))]
+CPS = [2, 3, 4, 8]
+
+
+def read_rows(cp: int, band: Band, reader: int, owner: int) -> int:
+    """Rows of ``owner``'s shard that some query row of ``reader`` sees: straight from the mask."""
+    s = 2 * cp * C
+    mask = band.mask(s, s)
+    mask = torch.ones(s, s, dtype=torch.bool) if mask is None else mask
+    seen = mask[global_rows(cp, reader, C)][:, global_rows(cp, owner, C)]
+    return int(seen.any(0).sum())
+
+
+def expected_direct(cp, band, rank, kv_row, dkv_row):
+    """(phase, step, kind, peer) -> (messages sent, bytes sent, messages received, bytes received)."""
+    out = {}
+
+    def add(key, sent, received):
+        m_s, b_s, m_r, b_r = out.get(key, (0, 0, 0, 0))
+        out[key] = (m_s + (sent > 0), b_s + sent, m_r + (received > 0), b_r + received)
+
+    for i in range(1, cp):
+        owner, reader = (rank - i) % cp, (rank + i) % cp
+        mine, theirs = read_rows(cp, band, rank, owner), read_rows(cp, band, reader, rank)
+        for phase in ("fwd", "bwd"):
+            if theirs:
+                add((phase, i - 1, "kv", reader), theirs * kv_row, 0)
+            if mine:
+                add((phase, i - 1, "kv", owner), 0, mine * kv_row)
+        if mine:
+            add(("bwd", i, "dkv", owner), mine * dkv_row, 0)
+        if theirs:
+            add(("bwd", i, "dkv", reader), 0, theirs * dkv_row)
+    return out
+
+
+@pytest.mark.parametrize("cp", CPS)
+@pytest.mark.parametrize("name,band", BANDS, ids=[n for n, _ in BANDS])
+def test_direct_bytes_per_step_and_peer_are_the_rows_the_mask_reads(cp, name, band):
+    kv_row, dkv_row = 2 * 3 * 8 * 2, 2 * 3 * 8 * 4     # bf16 K/V rows, fp32 dK/dV rows (b=1, g=3, d=8)
+    schedule = CommSchedule(KVSchedule.DIRECT, cp, C, band)
+    for rank in range(cp):
+        got = {t.key: t.counts for t in schedule.transfers(rank, kv_row, dkv_row)}
+        assert got == expected_direct(cp, band, rank, kv_row, dkv_row), (name, rank)
+
+
+@pytest.mark.parametrize("cp", CPS)
+@pytest.mark.parametrize("name,band", BANDS, ids=[n for n, _ in BANDS])
+def test_ring_moves_whole_shards_every_step(cp, name, band):
+    shard = 2 * C
+    for rank in range(cp):
+        got = {t.key: t.counts for t in CommSchedule(KVSchedule.RING, cp, C, band).transfers(rank, 10, 20)}
+        want = {}
+        nxt, prev = (rank + 1) % cp, (rank - 1) % cp
+        for key, row in [(("fwd", i, "kv"), 10) for i in range(cp - 1)] + [(("bwd", i, "kv"), 10) for i in range(cp - 1)] \
+                + [(("bwd", i, "dkv"), 20) for i in range(cp)]:
+            if nxt == prev:
+                want[(*key, nxt)] = (1, shard * row, 1, shard * row)
+            else:
+                want[(*key, nxt)] = (1, shard * row, 0, 0)
+                want[(*key, prev)] = (0, 0, 1, shard * row)
+        assert got == want
+
+
+@pytest.mark.parametrize("cp", CPS)
+def test_closed_forms_causal_and_a_narrow_window(cp):
+    """Causal: steps 1..r read the first K/V chunk, later steps both; a window W < c: one halo of W
+    rows from each ring neighbour (r-1 for the first chunk, r+1 for the second)."""
+    causal = CommSchedule(KVSchedule.DIRECT, cp, C, Band(None, 0))
+    window = CommSchedule(KVSchedule.DIRECT, cp, C, Band(-2, 0))
+    for r in range(cp):
+        assert [sum(p.stop - p.start for p in causal.kv_rows(r, i)) for i in range(1, cp)] == \
+            [C if i <= r else 2 * C for i in range(1, cp)]
+        received = {t.peer: t.received for t in window.transfers(r, 1, 1) if t.phase == "fwd" and t.received}
+        expected = {}
+        if r > 0:
+            expected[r - 1] = 2
+        if r < cp - 1:
+            expected[r + 1] = expected.get(r + 1, 0) + 2
+        assert received == expected
+
+
+def test_comm_bytes_is_the_schedule_in_cp_ranks_and_auto_takes_the_fewer_bytes():
+    args = dict(s=64, b=2, h=4, g=2, d=8, dtype=torch.bfloat16, cp=4, mask="causal", window=(3, 0))
+    direct = sinkprof.comm_bytes(**args, kv_schedule="direct")
+    ring = sinkprof.comm_bytes(**args, kv_schedule="ring")
+    auto = sinkprof.comm_bytes(**args)
+    assert auto == direct and sum(t.sent for t in direct) < sum(t.sent for t in ring)
+    kv_row = 2 * 2 * 2 * 8 * 2
+    assert sum(t.sent for t in direct if t.rank == 1 and t.phase == "fwd") == 2 * 3 * kv_row   # two halos of 3 rows
+    assert sum(t.sent for t in direct) == sum(t.received for t in direct)
+    # a2a+p2p: the ring over groups of 2 on half the K/V heads, the a2a inside each group
+    hier = sinkprof.comm_bytes(**{**args, "dtype": torch.float64}, comm="a2a+p2p", a2a_size=2, kv_schedule="direct")
+    a2a = [t for t in hier if t.kind == "a2a"]
+    assert {(t.rank, t.peer) for t in a2a} == {(0, 1), (1, 0), (2, 3), (3, 2)}
+    q_piece, kv_piece = 2 * 16 * 2 * 8 * 8, 2 * 2 * 16 * 1 * 8 * 8
+    assert all(t.sent == 2 * q_piece + kv_piece and t.messages_sent == 3 for t in a2a)
+    ring_peers = {(t.rank, t.peer) for t in hier if t.kind != "a2a"}
+    assert ring_peers == {(0, 2), (2, 0), (1, 3), (3, 1)}
+    # no ring, no ring messages; a resolved schedule for cp 1 is the ring
+    assert all(t.kind == "a2a" for t in sinkprof.comm_bytes(**{**args, "h": 4, "g": 4}, comm="a2a"))
+    assert comm_schedule("auto", 1, 8, Band(None, 0), 1, 1).kind is KVSchedule.RING
+
+
+def test_kv_schedule_errors_name_the_argument():
+    with pytest.raises(ValueError, match="kv_schedule='sideways'"):
+        sinkprof.comm_bytes(s=64, b=1, h=2, g=2, d=8, dtype=torch.float32, cp=2, kv_schedule="sideways")
+    q = torch.zeros(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="kv_schedule='sideways'"):
+        sinkprof.cp_attention(q, q, q, kv_schedule="sideways")
+
+
+def test_direct_plan_tiles_index_the_packed_rows_they_read():
+    band = Band(-3, 0)
+    for rank in range(4):
+        ring, direct = ring_plan(4, rank, C, band, "ring"), ring_plan(4, rank, C, band, "direct")
+        for a, b in zip(ring.steps, direct.steps):
+            assert a.reads == b.reads and a.held == (slice(0, 2 * C),)
+            assert b.held == (a.held if b.index == 0 else a.reads)
+            for ta, tb in zip(a.tiles, b.tiles):
+                assert b.source_rows(tb.kv_rows) == ta.kv_rows and ta.band == tb.band
+            if not b.tiles:
+                assert b.held == ()
+
+
+SHAPE = Shape(b=1, s=32, h=2, g=1, d=8)
+
+
+def test_the_emulator_fails_loudly_when_a_tile_reads_a_row_that_was_not_sent():
+    spec = make_spec("learnable", "causal", (3, 0), "bshd")
+    inputs = make_inputs(SHAPE, spec, seed=0)
+    with faults.injected(Fault.DROP_HALO):
+        with pytest.raises(MissingRows, match=r"rank 1 fwd step 1 tile 0 reads K/V rows \[7\] of rank 0's shard"):
+            emulate_ring(inputs, spec, 2, "step0", kv_schedule="direct")
+    # and a schedule that sends fewer rows than a step holds is caught the same way
+    schedule = CommSchedule(KVSchedule.DIRECT, 2, 8, spec.band)
+
+    class Short(CommSchedule):
+        def __init__(self):
+            self.__dict__.update(schedule.__dict__)
+
+        def kv_rows(self, reader, step):
+            rows = schedule.kv_rows(reader, step)
+            return (slice(rows[0].start + 1, rows[0].stop),) + rows[1:] if step else rows
+
+    k = [torch.randn(1, 1, 16, 8) for _ in range(2)]
+    step = schedule.plans[1].steps[1]
+    with pytest.raises(MissingRows, match="were not sent"):
+        LocalKV(k, k, Short(), 1, "fwd").get(step)
+    got_k, _ = LocalKV(k, k, schedule, 1, "fwd").get(step)    # the honest schedule: exactly the rows read
+    assert torch.equal(got_k, k[0][:, :, step.source_rows(slice(0, step.held_rows))])
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("window", [None, (3, 0), (5, 0), (9, 0), (4, 3)])
+def test_both_schedules_replay_exactly_in_the_emulator(cp, window):
+    mask = "no_mask" if window == (4, 3) else "causal"
+    spec = make_spec("learnable", mask, window, "bshd")
+    inputs = make_inputs(Shape(b=1, s=48, h=2, g=1, d=8), spec, seed=cp, with_bias=True)
+    ref = reference(inputs, spec)
+    for kv in ("ring", "direct"):
+        for strategy in ("step0", "post-merge"):
+            run = emulate_ring(inputs, spec, cp, strategy, kv_schedule=kv)
+            assert run.kv_schedule.value == kv
+            err = max((run.result.named()[k] - v).abs().max().item() for k, v in ref.named().items())
+            assert err <= 1e-12, (kv, strategy)
+
+
+def _profile(name):
+    return tomllib.loads((Path(__file__).resolve().parents[1] / "profiles" / f"{name}.toml").read_text())
+
+
+def test_gpt_oss_window_is_128_keys_and_its_layer_moves_50x_fewer_bytes_at_cp8_64k():
+    for name in ("gpt-oss-20b", "gpt-oss-120b"):
+        windows = [tuple(c["window"]) for c in _profile(name)["cases"]]
+        assert windows == [(-1, 0), (127, 0)], name
+    p = _profile("gpt-oss-120b")
+    args = dict(s=65536, b=p["b"], h=p["h"], g=p["g"], d=p["d"], dtype=torch.bfloat16, cp=8, mask="causal")
+    for window in [(127, 0), None]:
+        ring = sinkprof.comm_bytes(**args, window=window, kv_schedule="ring")
+        direct = sinkprof.comm_bytes(**args, window=window, kv_schedule="direct")
+        assert sinkprof.comm_bytes(**args, window=window) == direct    # auto
+        for rank in range(8):
+            def total(ts, kinds=("kv", "dkv")):
+                return sum(t.sent + t.received for t in ts if t.rank == rank and t.kind in kinds)
+            if window is not None:
+                assert total(ring, ("kv",)) >= 50 * total(direct, ("kv",)), rank
+                assert total(ring) >= 50 * total(direct), rank
+            else:
+                assert total(direct) < total(ring)
+                assert sum(t.sent for t in direct if t.rank == rank) <= sum(t.sent for t in ring if t.rank == rank)
+    # no message for a step that computes nothing: a K/V message posted in step i feeds step i+1
+    schedule = CommSchedule(KVSchedule.DIRECT, 8, 65536 // 16, make_spec("vanilla", "causal", (127, 0), "bshd").band)
+    for rank in range(8):
+        plan = schedule.plans[rank]
+        fed = {t.step + 1 for t in schedule.transfers(rank, 1, 1) if t.kind == "kv" and t.received}
+        returned = {t.step for t in schedule.transfers(rank, 1, 1) if t.kind == "dkv" and t.sent}
+        computing = {s.index for s in plan.steps[1:] if s.tiles}
+        assert fed == computing == returned
+        assert len(computing) <= 2
