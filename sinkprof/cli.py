@@ -79,12 +79,13 @@ CASE_OPTIONS = [
     _option("sink_grad", Optional[str], None, "--sink-grad", help="full, partial or all."),
     _option("window", Optional[str], None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
     _option("bias", Optional[bool], None, "--bias/--no-bias", help="Add a learnable [1, h, S, S] bias."),
-    _option("b", Optional[int], None, help="Batch."),
-    _option("s", Optional[int], None, help="Full sequence length (divisible by 2 * cp)."),
-    _option("h", Optional[int], None, help="Query heads."),
-    _option("g", Optional[int], None, help="K/V heads (h % g == 0)."),
-    _option("d", Optional[int], None, help="Head dim."),
-    _option("nproc", Optional[int], None, help="Ranks to self-launch (cp size); ignored under torchrun."),
+    _option("batch", Optional[int], None, "--batch", help="Batch."),
+    _option("seq_len", Optional[int], None, "--seq-len", help="Full sequence length (divisible by 2 * cp)."),
+    _option("heads", Optional[int], None, "--heads", help="Query heads."),
+    _option("kv_heads", Optional[int], None, "--kv-heads", help="K/V heads (heads % kv-heads == 0)."),
+    _option("head_dim", Optional[int], None, "--head-dim", help="Head dim."),
+    _option("ranks", Optional[int], None, "--ranks",
+            help="Ranks to self-launch (the cp size); under torchrun the world size is it."),
     _option("device", Optional[str], None, help="cpu or cuda."),
     _option("backend", Optional[str], None,
             help="Tile kernels: auto (fa4, else cudnn, else torch), torch, cudnn or fa4."),
@@ -137,7 +138,7 @@ def check(
     out = Output(Format.parse(fmt, Format.TABLE, Format.JSON), output, width=200)
     fault = Fault.parse(inject, "--inject") if inject else None
     groups = settings_for(case)
-    raise typer.Exit(launch(check_job, (groups, fault, case.timeout, out), nproc=groups[0].nproc,
+    raise typer.Exit(launch(check_job, (groups, fault, case.timeout, out), nproc=groups[0].ranks,
                             device=groups[0].device, backend=case.dist_backend, timeout=case.timeout,
                             run_timeout=case.run_timeout))
 
@@ -172,10 +173,10 @@ def bench(
     opts = BenchOptions(warmup, iters, phase, csv_path, trace, use_nvtx, sims, fault, case.timeout)
     if sims:
         import torch
-        groups = settings_for(case, nproc=1)
+        groups = settings_for(case, ranks=1)
         raise typer.Exit(run_simulation(groups, opts, torch.device(groups[0].device)))
     groups = settings_for(case)
-    raise typer.Exit(launch(bench_job, (groups, opts), nproc=groups[0].nproc, device=groups[0].device,
+    raise typer.Exit(launch(bench_job, (groups, opts), nproc=groups[0].ranks, device=groups[0].device,
                             backend=case.dist_backend, timeout=case.timeout, run_timeout=case.run_timeout))
 
 
@@ -187,11 +188,11 @@ def emulate(
     mask: str = typer.Option("all", help="causal, no_mask or all."),
     strategy: str = typer.Option("all", help="Sink strategies: step0, post-merge, every-tile (the bug) or all."),
     window: Optional[str] = typer.Option(None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
-    b: int = typer.Option(2, min=1, help="Batch."),
-    s: int = typer.Option(64, min=2, help="Full sequence length (divisible by 2 * every cp)."),
-    h: int = typer.Option(4, min=1, help="Query heads."),
-    g: int = typer.Option(2, min=1, help="K/V heads (h % g == 0)."),
-    d: int = typer.Option(16, min=1, help="Head dim."),
+    batch: int = typer.Option(2, "--batch", min=1, help="Batch."),
+    seq_len: int = typer.Option(64, "--seq-len", min=2, help="Full sequence length (divisible by 2 * every cp)."),
+    heads: int = typer.Option(4, "--heads", min=1, help="Query heads."),
+    kv_heads: int = typer.Option(2, "--kv-heads", min=1, help="K/V heads (heads % kv-heads == 0)."),
+    head_dim: int = typer.Option(16, "--head-dim", min=1, help="Head dim."),
     seed: int = typer.Option(0, help="Seed of the CPU generator for inputs and offsets (randn * 5)."),
     fmt: Format = typer.Option(Format.TABLE, "--format", help="table, json or csv."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the result here instead of stdout."),
@@ -206,7 +207,7 @@ def emulate(
     cps = split_list(cp, "--cp", positive_int)
     masks = split_list(mask, "--mask", lambda v, option: v, allowed=[m.value for m in MaskType])
     strategies = split_list(strategy, "--strategy", SinkStrategy.parse, allowed=[x.value for x in SinkStrategy])
-    raise typer.Exit(run(cps, comm, a2a_size, masks, strategies, Shape(b, s, h, g, d), seed, window,
+    raise typer.Exit(run(cps, comm, a2a_size, masks, strategies, Shape(batch, seq_len, heads, kv_heads, head_dim), seed, window,
                          Output(fmt, output)))
 
 

@@ -90,7 +90,7 @@ def test_simulate_emits_one_nvtx_range_per_step_and_iteration(monkeypatch, tmp_p
     fake = _CountingNvtx()
     monkeypatch.setattr(profiling, "nvtx", fake)
     out = tmp_path / "sim.csv"
-    settings = Settings(softmax=("learnable",), mask=("causal",), dtype=("fp32",), s=64)
+    settings = Settings(softmax=("learnable",), mask=("causal",), dtype=("fp32",), seq_len=64)
     opts = BenchOptions(warmup=1, iters=2, phase="fwdbwd", csv=str(out), nvtx=use_nvtx, simulate=(2, 4))
     assert simulate([settings], opts, __import__("torch").device("cpu")) == 0
     df = pd.read_csv(out)
@@ -106,7 +106,7 @@ def test_simulate_emits_one_nvtx_range_per_step_and_iteration(monkeypatch, tmp_p
 
 def test_report_summarises_and_plots(tmp_path, capsys):
     out = tmp_path / "sim.csv"
-    settings = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp32",), s=64)
+    settings = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp32",), seq_len=64)
     simulate([settings], BenchOptions(warmup=0, iters=2, phase="fwd", csv=str(out), simulate=(2,)),
              __import__("torch").device("cpu"))
     steps = step_table(load([out]))

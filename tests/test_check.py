@@ -33,7 +33,7 @@ def test_embedded_default_passes_and_covers_p2p_softmax_types_and_masks(cli, tmp
 
 
 def test_cp3_windows_bias_gqa_sbhd_both_strategies_both_contracts_fp64_fp32(cli):
-    res = cli("check", "--nproc", "3", "--s", "48", "--softmax", "learnable,off-by-one", "--mask", "all",
+    res = cli("check", "--ranks", "3", "--seq-len", "48", "--softmax", "learnable,off-by-one", "--mask", "all",
               "--qkv-format", "all", "--dtype", "fp64,fp32", "--sink-strategy", "all", "--sink-grad", "all",
               "--window", "5,0", "--bias", "--format", "json")
     doc = _json(res)
@@ -44,7 +44,7 @@ def test_cp3_windows_bias_gqa_sbhd_both_strategies_both_contracts_fp64_fp32(cli)
 
 
 def test_cp4_all_softmax_types_both_strategies_and_contracts(cli):
-    res = cli("check", "--nproc", "4", "--s", "64", "--softmax", "all", "--mask", "all", "--dtype", "fp64",
+    res = cli("check", "--ranks", "4", "--seq-len", "64", "--softmax", "all", "--mask", "all", "--dtype", "fp64",
               "--sink-strategy", "all", "--sink-grad", "all", "--format", "json")
     doc = _json(res)
     assert res.returncode == 0, res.stdout

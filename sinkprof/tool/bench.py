@@ -261,7 +261,7 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     for cp in opts.simulate:
         for settings in groups:
             try:
-                Shape(settings.b, settings.s, settings.h, settings.g, settings.d).validate(cp)
+                settings.shape.validate(cp)
             except ValueError as exc:
                 raise ValueError(f"--simulate {cp}: {exc}") from None
     writer = RowWriter(opts.csv)

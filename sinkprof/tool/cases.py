@@ -28,12 +28,12 @@ class Settings:
     window: Optional[tuple] = None
     bias: bool = False
     a2a_size: int = 2
-    b: int = 2
-    s: int = 64
-    h: int = 4
-    g: int = 2
-    d: int = 16
-    nproc: int = 2
+    batch: int = 2
+    seq_len: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ranks: int = 2
     device: str = "cpu"
     backend: str = "auto"
     seed: int = 0
@@ -51,15 +51,19 @@ class Settings:
             parse_dtype(name)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r} is not supported; use cpu or cuda")
-        if self.nproc < 1:
-            raise ValueError(f"nproc={self.nproc} must be >= 1")
-        Shape(self.b, self.s, self.h, self.g, self.d).validate(self.nproc)
+        if self.ranks < 1:
+            raise ValueError(f"ranks={self.ranks} must be >= 1")
+        self.shape.validate(self.ranks)
         for mask in self.mask:
             make_spec("vanilla", mask, self.window, "bshd")
         for comm in map(CommType, self.comm):
             if comm is CommType.A2A_P2P:
-                check_a2a_size(self.a2a_size, self.nproc)
-            check_heads(self.h, self.g, a2a_members(comm, self.nproc, self.a2a_size))
+                check_a2a_size(self.a2a_size, self.ranks)
+            check_heads(self.heads, self.kv_heads, a2a_members(comm, self.ranks, self.a2a_size))
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim)
 
 
 def a2a_members(comm: CommType, cp: int, a2a_size: int) -> int:
@@ -96,7 +100,7 @@ class Case:
 
 def expand(settings: Settings) -> list[Case]:
     """The cross product of the settings' lists; sink options only multiply cases that have a sink."""
-    shape = Shape(settings.b, settings.s, settings.h, settings.g, settings.d)
+    shape = settings.shape
     cases = []
     for comm, softmax, mask, fmt, dtype in itertools.product(settings.comm, settings.softmax, settings.mask,
                                                              settings.qkv_format, settings.dtype):
@@ -134,12 +138,12 @@ class CaseOptions:
     sink_grad: Optional[str] = None
     window: Optional[str] = None
     bias: Optional[bool] = None
-    b: Optional[int] = None
-    s: Optional[int] = None
-    h: Optional[int] = None
-    g: Optional[int] = None
-    d: Optional[int] = None
-    nproc: Optional[int] = None
+    batch: Optional[int] = None
+    seq_len: Optional[int] = None
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    ranks: Optional[int] = None
     device: Optional[str] = None
     backend: Optional[str] = None
     dist_backend: str = "auto"

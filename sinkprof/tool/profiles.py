@@ -94,19 +94,19 @@ def find(name: Optional[str]) -> Profile:
     return load(known[name], name)
 
 
-def settings_for(options: CaseOptions, nproc: Optional[int] = None) -> list[Settings]:
+def settings_for(options: CaseOptions, ranks: Optional[int] = None) -> list[Settings]:
     """The validated ``Settings`` groups of a ``check`` or ``bench`` run: the profile, then the
-    command line (``nproc`` overrides ``options.nproc``; under torchrun the world size is it)."""
+    command line (``ranks`` overrides ``options.ranks``; under torchrun the world size is it)."""
     if options.dist_backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"--dist-backend {options.dist_backend!r}: use auto, gloo or nccl")
     overrides = options.overrides()
-    if nproc is not None:
-        overrides["nproc"] = nproc
+    if ranks is not None:
+        overrides["ranks"] = ranks
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
-        if overrides.get("nproc", world) != world:
-            raise ValueError(f"--nproc {overrides['nproc']} differs from torchrun's WORLD_SIZE={world}; drop --nproc")
-        overrides["nproc"] = world
+        if overrides.get("ranks", world) != world:
+            raise ValueError(f"--ranks {overrides['ranks']} differs from torchrun's WORLD_SIZE={world}; drop --ranks")
+        overrides["ranks"] = world
     try:
         groups = find(options.profile).resolve(overrides)
         for settings in groups:
@@ -114,8 +114,8 @@ def settings_for(options: CaseOptions, nproc: Optional[int] = None) -> list[Sett
     except TypeError as exc:  # a profile value of the wrong type
         raise ValueError(f"--profile {options.profile!r}: {exc}") from None
     first = groups[0]
-    if any(gr.nproc != first.nproc or gr.device != first.device for gr in groups):
-        raise ValueError("all [[cases]] of a profile must share nproc and device")
+    if any(gr.ranks != first.ranks or gr.device != first.device for gr in groups):
+        raise ValueError("all [[cases]] of a profile must share ranks and device")
     if first.device == "cuda":
         import torch
         if not torch.cuda.is_available():
