@@ -16,7 +16,8 @@ from . import __version__
 from .options import MaskType, SinkStrategy
 from .tool.cases import CaseOptions
 from .tool.errors import Command
-from .tool.output import Format, Output
+from .tool import preflight
+from .tool.output import Format, Output, check_folder, check_writable
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, rich_markup_mode=None,
                   help="Correctness checks and profiles of context-parallel attention with attention sinks.",
@@ -138,6 +139,9 @@ def check(
     out = Output(Format.parse(fmt, Format.TABLE, Format.JSON), output, width=200)
     fault = Fault.parse(inject, "--inject") if inject else None
     groups = settings_for(case)
+    check_writable(output, "--output")
+    preflight.check_fault(fault, groups)
+    preflight.check_memory(groups, groups[0].ranks, groups[0].device, reference=True)
     raise typer.Exit(launch(check_job, (groups, fault, case.timeout, out), nproc=groups[0].ranks,
                             device=groups[0].device, backend=case.dist_backend, timeout=case.timeout,
                             run_timeout=case.run_timeout))
@@ -171,11 +175,14 @@ def bench(
     sims = tuple(split_list(simulate, "--simulate", positive_int)) if simulate else ()
     fault = Fault.parse(inject, "--inject") if inject else None
     opts = BenchOptions(warmup, iters, phase, csv_path, trace, use_nvtx, sims, fault, case.timeout)
+    groups = settings_for(case, ranks=1) if sims else settings_for(case)
+    check_writable(csv_path, "--csv")
+    check_folder(trace, "--trace")
+    preflight.check_fault(fault, groups)
+    preflight.check_memory(groups, groups[0].ranks, groups[0].device, reference=False)
     if sims:
         import torch
-        groups = settings_for(case, ranks=1)
         raise typer.Exit(run_simulation(groups, opts, torch.device(groups[0].device)))
-    groups = settings_for(case)
     raise typer.Exit(launch(bench_job, (groups, opts), nproc=groups[0].ranks, device=groups[0].device,
                             backend=case.dist_backend, timeout=case.timeout, run_timeout=case.run_timeout))
 
@@ -207,6 +214,7 @@ def emulate(
     cps = split_list(cp, "--cp", positive_int)
     masks = split_list(mask, "--mask", lambda v, option: v, allowed=[m.value for m in MaskType])
     strategies = split_list(strategy, "--strategy", SinkStrategy.parse, allowed=[x.value for x in SinkStrategy])
+    check_writable(output, "--output")
     raise typer.Exit(run(cps, comm, a2a_size, masks, strategies, Shape(batch, seq_len, heads, kv_heads, head_dim), seed, window,
                          Output(fmt, output)))
 
@@ -218,6 +226,7 @@ def report(
 ):
     """Summarise bench CSVs: per-step compute, communication, overlap, exposed time, TFLOP/s."""
     from .tool.report import report as run
+    check_folder(plot, "--plot")
     for path in run(csv_files, plot, Output()):
         print(f"wrote {path}")
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..dist import DEFAULT_TIMEOUT_S
-from ..options import (DTYPES, CommType, MaskType, QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size,
-                       check_heads, check_sink_strategy, make_spec, parse_dtype, window_pair)
+from ..kernels import unavailable_reason
+from ..options import (DTYPES, Backend, CommType, MaskType, QKVFormat, SinkGrad, SinkStrategy, SoftmaxType,
+                       check_a2a_size, check_heads, check_sink_strategy, make_spec, parse_dtype, window_pair)
 from ..testing import Shape
 
 
@@ -39,23 +40,41 @@ class Settings:
     seed: int = 0
 
     def validate(self) -> None:
-        """Raise ValueError naming the setting for anything a run would trip over later, with the
+        """Raise ValueError naming the option for anything a run would trip over later, with the
         library's own checks (the ones ``cp_attention`` runs on the tensors)."""
+        for name in LIST_FIELDS:
+            if not getattr(self, name):
+                raise ValueError(f"{option(name)} needs at least one value, e.g. {ALL[name][0]} (or 'all')")
         for name, enum in (("comm", CommType), ("softmax", SoftmaxType), ("mask", MaskType),
                            ("qkv_format", QKVFormat), ("sink_grad", SinkGrad)):
             for value in getattr(self, name):
-                enum.parse(value, name)
+                enum.parse(value, option(name))
         for value in self.sink_strategy:
-            check_sink_strategy(value)
+            check_sink_strategy(value, option("sink_strategy"))
         for name in self.dtype:
-            parse_dtype(name)
+            parse_dtype(name, option("dtype"))
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device {self.device!r} is not supported; use cpu or cuda")
-        if self.ranks < 1:
-            raise ValueError(f"ranks={self.ranks} must be >= 1")
-        self.shape.validate(self.ranks)
+            raise ValueError(f"--device {self.device!r} is not supported; use cpu or cuda")
+        backend = Backend.parse(self.backend, "--backend")
+        if backend not in (Backend.AUTO, Backend.TORCH):
+            reason = unavailable_reason(backend, self.device)
+            if reason is not None:
+                raise ValueError(f"--backend {backend.value} cannot run here: {reason}; "
+                                 f"use --backend torch (or auto, which picks what runs)")
+        for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ranks", "a2a_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{option(name)} {getattr(self, name)} must be >= 1")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads} (GQA)")
+        if self.seq_len % (2 * self.ranks):
+            step = 2 * self.ranks
+            raise ValueError(f"--seq-len {self.seq_len} must be divisible by 2 * cp = {step} (load-balanced "
+                             f"chunks, cp = --ranks {self.ranks}); use --seq-len {max(step, self.seq_len // step * step)}")
         for mask in self.mask:
-            make_spec("vanilla", mask, self.window, "bshd")
+            try:
+                make_spec("vanilla", mask, self.window, "bshd")
+            except ValueError as exc:
+                raise ValueError(f"--window {','.join(map(str, self.window))}: {exc}") from None
         for comm in map(CommType, self.comm):
             if comm is CommType.A2A_P2P:
                 check_a2a_size(self.a2a_size, self.ranks)
@@ -64,6 +83,14 @@ class Settings:
     @property
     def shape(self) -> Shape:
         return Shape(self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim)
+
+
+LIST_FIELDS = ("comm", "softmax", "mask", "qkv_format", "dtype", "sink_strategy", "sink_grad")
+
+
+def option(name: str) -> str:
+    """The command-line option of a ``Settings`` field (its profile key is the field name)."""
+    return "--" + name.replace("_", "-")
 
 
 def a2a_members(comm: CommType, cp: int, a2a_size: int) -> int:

@@ -56,6 +56,48 @@ def atomic_path(path):
         raise
 
 
+def check_writable(path: Optional[str], option: str) -> None:
+    """Before a run: ``path`` (a file, or ``-`` for stdout) can be written, or a ValueError naming
+    ``option`` says why not. Creates the missing folders, as the write would."""
+    if path is None or path == STDOUT:
+        return
+    target = Path(os.path.realpath(path))
+    if target.is_dir():
+        raise ValueError(f"{option} {path}: is a folder; name a file in it")
+    if target.exists() and not target.is_file():   # a device or a FIFO: written in place
+        if not os.access(target, os.W_OK):
+            raise ValueError(f"{option} {path}: cannot be written (permission denied)")
+        return
+    _probe_folder(target.parent, option, path)
+
+
+def check_folder(path: Optional[str], option: str) -> None:
+    """Before a run: files can be created in the folder ``path`` (created if missing)."""
+    if path is None:
+        return
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{option} {path}: is a file, not a folder; name a folder")
+    _probe_folder(target, option, path)
+
+
+def _probe_folder(folder: Path, option: str, path: str) -> None:
+    existing = next(p for p in (folder, *folder.parents) if p.exists() or p == p.parent)
+    if existing.exists() and not existing.is_dir():
+        raise ValueError(f"{option} {path}: {existing} is a file, not a folder; choose another path")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: the folder {folder} cannot be created ({exc.strerror}); "
+                         f"choose another path") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".sinkprof-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: cannot write into {folder} ({exc.strerror}); choose another path") from None
+
+
 def write_text(path, text: str) -> Path:
     """Write ``text`` to ``path`` whole (flushed to disk before the rename)."""
     with atomic_path(path) as tmp, open(tmp, "w") as f:
