@@ -120,3 +120,13 @@ def test_report_rejects_a_file_that_is_not_a_bench_csv(tmp_path):
     bad.write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="missing columns"):
         load([bad])
+
+
+def test_bench_csv_to_stdout_keeps_the_summary_off_it(cli, tmp_path):
+    import io
+    res = cli("bench", "--softmax", "vanilla", "--mask", "causal", "--dtype", "fp32", "--warmup", "0",
+              "--iters", "1", "--csv", "-")
+    assert res.returncode == 0, res.stderr
+    df = pd.read_csv(io.StringIO(res.stdout))
+    assert list(df.columns) == COLUMNS and set(df["rank"]) == {0, 1}
+    assert "TFLOP" in res.stderr or "step" in res.stderr

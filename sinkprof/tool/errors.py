@@ -14,6 +14,7 @@ import typer
 from typer.core import TyperCommand
 
 from ..dist import CommError
+from .output import OutputError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -23,6 +24,7 @@ EXIT_USAGE = 2
 EXIT_CODES: dict[type, int] = {
     ValueError: EXIT_USAGE,       # an option or its combination: the message names the option
     CommError: EXIT_FAILED,       # a rank hung or died: the message names rank, case, phase, step
+    OutputError: EXIT_FAILED,     # a result could not be written: the message names the file
 }
 
 

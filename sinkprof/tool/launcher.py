@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..dist import DEFAULT_TIMEOUT_S, CommError, where
 from .errors import EXIT_FAILED
+from .output import OutputError
 
 
 @dataclass
@@ -99,7 +100,7 @@ def _rank_main(job: Callable, args, device: str, backend: str, timeout: float, r
     try:
         info = init_from_env(device, backend, timeout)
         code = job(info, *args)
-    except CommError as exc:
+    except (CommError, OutputError) as exc:
         print(f"sinkprof: {exc}", file=sys.stderr, flush=True)
         os._exit(EXIT_FAILED)  # peers may be stuck in a collective: do not wait for a clean shutdown
     except Exception:
