@@ -114,6 +114,19 @@ def case_options(fn):
     return wrapper
 
 
+def _config(command: str, groups: list, case: CaseOptions, **extra) -> dict:
+    """What every rank of a run must agree on: each setting of each group under its option's name,
+    and the run's own options (output paths are rank 0's business and left out)."""
+    from dataclasses import asdict
+    from .tool.cases import option
+    out = {"command": command, "--dist-backend": case.dist_backend, "--timeout": case.timeout,
+           "--run-timeout": case.run_timeout, **extra}
+    for i, settings in enumerate(groups):
+        group = f" ([[cases]] #{i + 1})" if len(groups) > 1 else ""
+        out.update({option(k) + group: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()})
+    return out
+
+
 FORMAT = typer.Option("table", "--format", help="table or json.")
 
 
@@ -142,9 +155,10 @@ def check(
     check_writable(output, "--output")
     preflight.check_fault(fault, groups)
     preflight.check_memory(groups, groups[0].ranks, groups[0].device, reference=True)
+    config = _config("check", groups, case, **{"--inject": inject})
     raise typer.Exit(launch(check_job, (groups, fault, case.timeout, out), nproc=groups[0].ranks,
                             device=groups[0].device, backend=case.dist_backend, timeout=case.timeout,
-                            run_timeout=case.run_timeout))
+                            run_timeout=case.run_timeout, config=config))
 
 
 @command()
@@ -183,8 +197,11 @@ def bench(
     if sims:
         import torch
         raise typer.Exit(run_simulation(groups, opts, torch.device(groups[0].device)))
+    config = _config("bench", groups, case, **{"--inject": inject, "--warmup": warmup, "--iters": iters,
+                                               "--phase": phase, "--nvtx": use_nvtx})
     raise typer.Exit(launch(bench_job, (groups, opts), nproc=groups[0].ranks, device=groups[0].device,
-                            backend=case.dist_backend, timeout=case.timeout, run_timeout=case.run_timeout))
+                            backend=case.dist_backend, timeout=case.timeout, run_timeout=case.run_timeout,
+                            config=config))
 
 
 @command()

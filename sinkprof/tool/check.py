@@ -105,11 +105,13 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
         c.counts.clear()
 
     t0 = time.perf_counter()
+    where.phase, where.step, where.op = "fwd", 0, "cp_attention"   # the ring refines it at each exchange
     out = cp_attention(q, k, v, offset, comm=case.comm, softmax_type=case.softmax, mask=case.mask,
                        window=case.window, bias=bias, qkv_format=case.qkv_format, backend=backend,
                        sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=timeout,
                        a2a_size=a2a_size)
     faults.active.alias_reference(offset, ref)
+    where.phase, where.step, where.op = "bwd", 0, "cp_attention backward"
     out.backward(grad_out)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
