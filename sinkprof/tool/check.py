@@ -1,7 +1,9 @@
 """``sinkprof check``: CP attention against the single-device reference over a matrix of cases.
 
-Every rank builds the same seeded inputs, computes the fp64 reference on the full sequence (fresh
-tensors nothing else writes into, fingerprinted), runs the CP attention on its shard, and compares
+Every rank builds the same seeded inputs, computes its rows of the fp64 reference (blockwise; the
+shares of dk, dv and the replicated gradients are summed over the ranks, so the reference is
+computed once per case; fresh tensors nothing else writes into, fingerprinted), runs the CP
+attention on its shard, and compares
 its shard of out, dq, dk, dv and the replicated gradients (sink, bias) under the chosen contract.
 Errors are reduced (max) over ranks; rank 0 reports. Message counts per ring step are checked
 against the plan (the comm-count contract).
@@ -84,7 +86,17 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     host = make_inputs(case.shape, spec, seed, with_bias=case.bias)
     # The reference sees exactly the values the CP run sees (rounded to the case's dtype).
     rounded = host.to("cpu", dtype)
-    ref = reference(rounded.to(device, torch.float64), spec)
+    comm = comm_for(None, timeout)
+    # One reference per case, shared: each rank computes its own rows (out and dq of its shard, its
+    # rows' share of dk, dv and the replicated gradients), and the shares are summed.
+    chunk = case.shape.s // (2 * cp)
+    mine = torch.zeros(case.shape.s, dtype=torch.bool)
+    for c in chunk_ids(cp, rank):
+        mine[c * chunk:(c + 1) * chunk] = True
+    ref = reference(rounded.to(device, torch.float64), spec, rows=mine)
+    for name, t in (("dk", ref.dk), ("dv", ref.dv), ("d_sink", ref.d_offset), ("d_bias", ref.d_bias)):
+        if t is not None:
+            comm.all_reduce_(t, f"reference {name} sum")
     snapshot = Snapshot.of(ref)
     ref_part = None
     if case.sink_grad is SinkGrad.PARTIAL and (host.offset is not None or host.bias is not None):
@@ -96,7 +108,6 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     offset = x.offset.requires_grad_() if x.offset is not None else None
     bias = x.bias.requires_grad_() if x.bias is not None else None
     grad_out = shard(x.grad_out, cp, rank, sd)
-    comm = comm_for(None, timeout)
     kernel = get_kernel(backend, device)
     refused_before = set(getattr(kernel, "refused", dict)())
     a2a_size = case.a2a_size if case.comm is CommType.A2A_P2P else None
