@@ -130,3 +130,10 @@ def test_bench_csv_to_stdout_keeps_the_summary_off_it(cli, tmp_path):
     df = pd.read_csv(io.StringIO(res.stdout))
     assert list(df.columns) == COLUMNS and set(df["rank"]) == {0, 1}
     assert "TFLOP" in res.stderr or "step" in res.stderr
+
+
+def test_the_csv_records_the_full_commit_hash():
+    import re
+    from sinkprof.tool.bench import _git_sha
+    sha = _git_sha()
+    assert sha == "unknown" or re.fullmatch(r"[0-9a-f]{40}", sha)

@@ -73,7 +73,7 @@ def useful_flops(case: Case, phase: str) -> int:
 
 def _git_sha() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
         return out.stdout.strip() or "unknown"
     except Exception:
