@@ -7,6 +7,7 @@ turned into messages and exit codes in one place (``tool.errors``, every command
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 from typing import Callable, Optional
 
@@ -244,6 +245,8 @@ def report(
     """Summarise bench CSVs: per-step compute, communication, overlap, exposed time, TFLOP/s."""
     from .tool.report import report as run
     check_folder(plot, "--plot")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'sinkprof[plots]' (or drop --plot)")
     for path in run(csv_files, plot, Output()):
         print(f"wrote {path}")
 

@@ -140,3 +140,31 @@ def test_the_readme_torchrun_lines_parse_in_torchrun():
         res = runner.invoke(app, [*script[i + 1:], "--help"])
         assert res.exit_code == 0, (line, res.output)
         assert re.search(r"--seq-len", line) or "check" in line
+
+
+def test_the_profiles_ship_in_the_wheel(tmp_path):
+    """A plain (non-editable) install finds the profiles: they are package data."""
+    import subprocess
+    import sys
+    import zipfile
+    from importlib import resources
+    from pathlib import Path
+    shipped = {p.name for p in resources.files("sinkprof").joinpath("profiles").iterdir()}
+    assert {"cpu-default.toml", "te-sink.toml", "gpt-oss-120b.toml"} <= shipped
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(root)],
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    wheel = next(tmp_path.glob("sinkprof-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"sinkprof/profiles/{n}" for n in shipped} <= names
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    csv = tmp_path / "x.csv"
+    csv.write_text("a\n")
+    res = runner.invoke(app, ["report", str(csv), "--plot", str(tmp_path / "plots")])
+    assert res.exit_code == 2 and "sinkprof[plots]" in res.output

@@ -1,4 +1,4 @@
-"""Named run configurations (``profiles/*.toml``) for ``check`` and ``bench``.
+"""Named run configurations (``sinkprof/profiles/*.toml``, package data) for ``check`` and ``bench``.
 
 A profile sets any ``check.Settings`` field at its top level; an optional ``[[cases]]`` array adds
 groups that override those fields (TransformerEngine's sink tests are four such groups). Command
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
+from importlib import resources
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -43,7 +44,7 @@ class Profile:
 
 def profile_dirs() -> list[Path]:
     dirs = [Path(p) for p in os.environ.get("SINKPROF_PROFILES", "").split(os.pathsep) if p]
-    dirs.append(Path(__file__).resolve().parents[2] / "profiles")
+    dirs.append(Path(str(resources.files("sinkprof").joinpath("profiles"))))   # shipped in the wheel
     return dirs
 
 
