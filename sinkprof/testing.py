@@ -2,7 +2,7 @@
 the tolerance table.
 
 The reference is exact attention in fp64 with its backward written out (no autograd), computed
-blockwise over query rows, so its memory grows linearly with the sequence (docs/design.md); its
+blockwise over query rows, so its memory grows linearly with the sequence; its
 results are fresh tensors that nothing else writes into. ``sinkprof.attention`` (autograd on the
 whole score matrix) is the independent formulation the tests compare it with.
 """
