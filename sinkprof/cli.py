@@ -7,6 +7,7 @@ turned into messages and exit codes in one place (``tool.errors``, every command
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 from typing import Callable, Optional
 
@@ -16,7 +17,8 @@ from . import __version__
 from .options import KVSchedule, MaskType, SinkStrategy
 from .tool.cases import CaseOptions
 from .tool.errors import Command
-from .tool.output import Format, Output
+from .tool import preflight
+from .tool.output import Format, Output, check_folder, check_writable
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, rich_markup_mode=None,
                   help="Correctness checks and profiles of context-parallel attention with attention sinks.",
@@ -81,12 +83,13 @@ CASE_OPTIONS = [
             help="How the ring moves K/V: auto (fewer bytes), ring, direct (comma list) or all."),
     _option("window", Optional[str], None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
     _option("bias", Optional[bool], None, "--bias/--no-bias", help="Add a learnable [1, h, S, S] bias."),
-    _option("b", Optional[int], None, help="Batch."),
-    _option("s", Optional[int], None, help="Full sequence length (divisible by 2 * cp)."),
-    _option("h", Optional[int], None, help="Query heads."),
-    _option("g", Optional[int], None, help="K/V heads (h % g == 0)."),
-    _option("d", Optional[int], None, help="Head dim."),
-    _option("nproc", Optional[int], None, help="Ranks to self-launch (cp size); ignored under torchrun."),
+    _option("batch", Optional[int], None, "--batch", help="Batch."),
+    _option("seq_len", Optional[int], None, "--seq-len", help="Full sequence length (divisible by 2 * cp)."),
+    _option("heads", Optional[int], None, "--heads", help="Query heads."),
+    _option("kv_heads", Optional[int], None, "--kv-heads", help="K/V heads (heads % kv-heads == 0)."),
+    _option("head_dim", Optional[int], None, "--head-dim", help="Head dim."),
+    _option("ranks", Optional[int], None, "--ranks",
+            help="Ranks to self-launch (the cp size); under torchrun the world size is it."),
     _option("device", Optional[str], None, help="cpu or cuda."),
     _option("backend", Optional[str], None,
             help="Tile kernels: auto (fa4, else cudnn, else torch), torch, cudnn or fa4."),
@@ -114,6 +117,19 @@ def case_options(fn):
     return wrapper
 
 
+def _config(command: str, groups: list, case: CaseOptions, **extra) -> dict:
+    """What every rank of a run must agree on: each setting of each group under its option's name,
+    and the run's own options (output paths are rank 0's business and left out)."""
+    from dataclasses import asdict
+    from .tool.cases import option
+    out = {"command": command, "--dist-backend": case.dist_backend, "--timeout": case.timeout,
+           "--run-timeout": case.run_timeout, **extra}
+    for i, settings in enumerate(groups):
+        group = f" ([[cases]] #{i + 1})" if len(groups) > 1 else ""
+        out.update({option(k) + group: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()})
+    return out
+
+
 FORMAT = typer.Option("table", "--format", help="table or json.")
 
 
@@ -133,17 +149,20 @@ def check(
     Exit 0 when every case passes, 1 when any fails or hangs, 2 for usage errors.
     """
     from .faults import Fault
-    from .tool.check import check_fault, check_job
+    from .tool.check import check_job
     from .tool.launcher import launch
     from .tool.profiles import settings_for
 
     out = Output(Format.parse(fmt, Format.TABLE, Format.JSON), output, width=200)
     fault = Fault.parse(inject, "--inject") if inject else None
     groups = settings_for(case)
-    check_fault(fault, groups)
-    raise typer.Exit(launch(check_job, (groups, fault, case.timeout, out), nproc=groups[0].nproc,
+    check_writable(output, "--output")
+    preflight.check_fault(fault, groups)
+    preflight.check_memory(groups, groups[0].ranks, groups[0].device, reference=True)
+    config = _config("check", groups, case, **{"--inject": inject})
+    raise typer.Exit(launch(check_job, (groups, fault, case.timeout, out), nproc=groups[0].ranks,
                             device=groups[0].device, backend=case.dist_backend, timeout=case.timeout,
-                            run_timeout=case.run_timeout))
+                            run_timeout=case.run_timeout, config=config))
 
 
 @command()
@@ -174,13 +193,19 @@ def bench(
     sims = tuple(split_list(simulate, "--simulate", positive_int)) if simulate else ()
     fault = Fault.parse(inject, "--inject") if inject else None
     opts = BenchOptions(warmup, iters, phase, csv_path, trace, use_nvtx, sims, fault, case.timeout)
+    groups = settings_for(case, ranks=1) if sims else settings_for(case)
+    check_writable(csv_path, "--csv")
+    check_folder(trace, "--trace")
+    preflight.check_fault(fault, groups)
+    preflight.check_memory(groups, groups[0].ranks, groups[0].device, reference=False)
     if sims:
         import torch
-        groups = settings_for(case, nproc=1)
         raise typer.Exit(run_simulation(groups, opts, torch.device(groups[0].device)))
-    groups = settings_for(case)
-    raise typer.Exit(launch(bench_job, (groups, opts), nproc=groups[0].nproc, device=groups[0].device,
-                            backend=case.dist_backend, timeout=case.timeout, run_timeout=case.run_timeout))
+    config = _config("bench", groups, case, **{"--inject": inject, "--warmup": warmup, "--iters": iters,
+                                               "--phase": phase, "--nvtx": use_nvtx})
+    raise typer.Exit(launch(bench_job, (groups, opts), nproc=groups[0].ranks, device=groups[0].device,
+                            backend=case.dist_backend, timeout=case.timeout, run_timeout=case.run_timeout,
+                            config=config))
 
 
 @command()
@@ -193,11 +218,11 @@ def emulate(
     window: Optional[str] = typer.Option(None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
     kv_schedule: str = typer.Option("all", "--kv-schedule", help="K/V schedules to replay: ring, direct, auto "
                                                                  "(comma list) or all (ring and direct)."),
-    b: int = typer.Option(2, min=1, help="Batch."),
-    s: int = typer.Option(64, min=2, help="Full sequence length (divisible by 2 * every cp)."),
-    h: int = typer.Option(4, min=1, help="Query heads."),
-    g: int = typer.Option(2, min=1, help="K/V heads (h % g == 0)."),
-    d: int = typer.Option(16, min=1, help="Head dim."),
+    batch: int = typer.Option(2, "--batch", min=1, help="Batch."),
+    seq_len: int = typer.Option(64, "--seq-len", min=2, help="Full sequence length (divisible by 2 * every cp)."),
+    heads: int = typer.Option(4, "--heads", min=1, help="Query heads."),
+    kv_heads: int = typer.Option(2, "--kv-heads", min=1, help="K/V heads (heads % kv-heads == 0)."),
+    head_dim: int = typer.Option(16, "--head-dim", min=1, help="Head dim."),
     seed: int = typer.Option(0, help="Seed of the CPU generator for inputs and offsets (randn * 5)."),
     fmt: Format = typer.Option(Format.TABLE, "--format", help="table, json or csv."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the result here instead of stdout."),
@@ -215,8 +240,9 @@ def emulate(
     schedules = split_list(kv_schedule, "--kv-schedule", KVSchedule.parse, allowed=[x.value for x in KVSchedule])
     if kv_schedule.strip() == "all":
         schedules = [KVSchedule.RING, KVSchedule.DIRECT]
-    raise typer.Exit(run(cps, comm, a2a_size, masks, strategies, Shape(b, s, h, g, d), seed, window,
-                         Output(fmt, output), schedules))
+    check_writable(output, "--output")
+    raise typer.Exit(run(cps, comm, a2a_size, masks, strategies, Shape(batch, seq_len, heads, kv_heads, head_dim),
+                         seed, window, Output(fmt, output), schedules))
 
 
 @command()
@@ -235,6 +261,11 @@ def report(
     """
     import sys
     from .tool.report import report as run
+    check_folder(plot, "--plot")
+    check_writable(html, "--html")
+    check_writable(chrome_trace, "--chrome-trace")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'sinkprof[plots]' (or drop --plot)")
     to_stdout = "-" in (html, chrome_trace)
     for path in run(csv_files, plot, Output(), html=html, chrome_trace=chrome_trace):
         print(f"wrote {path}", file=sys.stderr if to_stdout else sys.stdout)

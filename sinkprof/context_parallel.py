@@ -80,10 +80,16 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     opts = CPOptions(spec, check_scale(scale, dims.d), kernel, strategy or kernel.sink_strategy, grad_contract,
                      schedule)
     if softmax_offset is not None:
-        softmax_offset = ReplicatedGrad.apply(softmax_offset, groups, opts, "sink gradient all-reduce")
+        softmax_offset = ReplicatedGrad.apply(_at_least_fp32(softmax_offset), groups, opts, "sink gradient all-reduce")
     if bias is not None:
         bias = ReplicatedGrad.apply(bias, groups, opts, "bias gradient all-reduce")
     return hierarchical_attention(q, k, v, softmax_offset, bias, opts, groups)
+
+
+def _at_least_fp32(offset: torch.Tensor) -> torch.Tensor:
+    """A bf16/fp16 offset (gpt-oss stores its sinks in bf16) as fp32: the sink math runs in fp32,
+    and autograd returns the gradient in the offset's own dtype."""
+    return offset.float() if offset.dtype in (torch.bfloat16, torch.float16) else offset
 
 
 def cp_groups(comm_type: CommType, group, a2a_size: Optional[int], timeout: float) -> CPGroups:

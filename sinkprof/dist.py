@@ -86,7 +86,7 @@ class Communicator:
     def __init__(self, group=None, timeout: float = DEFAULT_TIMEOUT_S):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: run under torchrun, call "
-                               "torch.distributed.init_process_group, or use `sinkprof check --nproc N`")
+                               "torch.distributed.init_process_group, or use `sinkprof check --ranks N`")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)

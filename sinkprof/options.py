@@ -267,8 +267,9 @@ def check_offset(offset, softmax_type: SoftmaxType, h: int, device) -> None:
     if tuple(offset.shape) != (1, h, 1, 1):
         raise ValueError(f"softmax_offset must have shape [1, {h}, 1, 1] (one logit per query head), "
                          f"got {tuple(offset.shape)}")
-    if offset.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"softmax_offset.dtype={offset.dtype} is not supported; use torch.float32 (or float64)")
+    if offset.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise ValueError(f"softmax_offset.dtype={offset.dtype} is not supported; use float32, float64, bfloat16 "
+                         f"or float16")
     if offset.device != torch.device(device):
         raise ValueError(f"softmax_offset is on {offset.device} but q is on {device}")
 

@@ -18,7 +18,8 @@ def attention(q, k, v, softmax_offset=None, *, softmax_type="vanilla", mask="no_
 
     q is ``[b, s, h, d]`` (bshd) or ``[s, b, h, d]`` (sbhd); k and v have ``g`` heads, ``h % g == 0``.
     ``softmax_type``: ``vanilla`` (no sink), ``off-by-one`` (sink logit fixed at 0) or ``learnable``
-    (``softmax_offset`` of shape ``[1, h, 1, 1]``). ``window=(left, right)``: key j is visible to
+    (``softmax_offset`` of shape ``[1, h, 1, 1]``, any float dtype: a bf16/fp16 offset is used in
+    the accumulation dtype and its gradient comes back in bf16/fp16). ``window=(left, right)``: key j is visible to
     query i when ``i - left <= j <= i + right``, -1 unbounded. ``bias`` is added after scaling.
     Returns ``out`` in q's layout and dtype, and with ``return_lse`` also ``lse`` ``[b, h, s_q]``
     (fp32, or fp64 for fp64 inputs; sink included).
@@ -44,7 +45,7 @@ def attention(q, k, v, softmax_offset=None, *, softmax_type="vanilla", mask="no_
     lse = torch.logsumexp(scores, dim=-1)                                   # [b, h, s_q]
     if visible is not None:
         lse = lse.masked_fill(~row_any.squeeze(-1), float("-inf"))
-    sink = sink_logits(spec.softmax_type, softmax_offset, dims.h, q.device)
+    sink = sink_logits(spec.softmax_type, softmax_offset, dims.h, q.device)   # bf16/fp16: used in fp32 or fp64
     if sink is not None:
         lse = torch.logaddexp(lse, sink.reshape(1, -1, 1).to(acc))
     lse_finite = lse.masked_fill(lse == float("-inf"), 0.0)

@@ -1,9 +1,10 @@
 """What the tests and ``sinkprof check`` share: seeded inputs, the high-precision reference, and
 the tolerance table.
 
-The reference runs ``sinkprof.attention`` with autograd in fp64 on the full sequence, one K/V head
-group at a time (so memory stays at one group's scores), and its results are fresh tensors that
-nothing else writes into.
+The reference is exact attention in fp64 with its backward written out (no autograd), computed
+blockwise over query rows, so its memory grows linearly with the sequence; its
+results are fresh tensors that nothing else writes into. ``sinkprof.attention`` (autograd on the
+whole score matrix) is the independent formulation the tests compare it with.
 """
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from typing import Optional
 
 import torch
 
-from .options import AttnSpec, SoftmaxType
-from .reference import attention
+from .options import AttnSpec, SoftmaxType, check_scale
+from .sink import sink_logits
+
+REFERENCE_BLOCK_BYTES = 64 * 2 ** 20   # one [b, h, rows, s] fp64 block of the reference
 
 
 @dataclass(frozen=True)
@@ -91,54 +94,80 @@ class Result:
 
 
 def reference(inputs: Inputs, spec: AttnSpec, scale: Optional[float] = None,
-              rows: Optional[torch.Tensor] = None, heads: Optional[torch.Tensor] = None) -> Result:
-    """Attention and all its gradients in fp64, computed one K/V head group at a time.
+              rows: Optional[torch.Tensor] = None, heads: Optional[torch.Tensor] = None,
+              block_bytes: int = REFERENCE_BLOCK_BYTES) -> Result:
+    """Attention and all its gradients in fp64, computed blockwise over query rows.
 
-    ``rows`` (bool over the full sequence) and ``heads`` (bool over query heads) restrict the loss
-    to those query rows and heads: the reference for a rank's own part of a replicated gradient
-    (the ``partial`` contract).
+    A block of query rows needs only its own scores: its forward (out, lse) and then its backward
+    (dq of those rows, their contributions to dk, dv, the sink and bias gradients), so memory
+    grows linearly with the sequence (one ``[b, h, rows, s]`` block of at most ``block_bytes``
+    per tensor) and no autograd graph is kept. ``rows`` (bool over the full sequence) computes only
+    those query rows: ``out``, ``dq`` and ``lse`` of the others are zero, and dk, dv and the
+    replicated gradients are those rows' contributions (their sum over a partition of the rows is
+    the whole). ``heads`` (bool over query heads) restricts the loss to those heads (with ``rows``:
+    the reference for a rank's own part of a replicated gradient, the ``partial`` contract).
     """
     x = inputs.to(inputs.q.device, torch.float64)
-    grad_out = x.grad_out
-    for keep, dim in ((rows, spec.qkv_format.seq_dim), (heads, 2)):
-        if keep is not None:
-            shape = [1] * grad_out.dim()
-            shape[dim] = -1
-            grad_out = grad_out * keep.to(grad_out.device).view(shape)
-    h, g = x.q.shape[2], x.k.shape[2]
+    fmt = spec.qkv_format
+    q, k, v, do = (fmt.to_bhsd(t) for t in (x.q, x.k, x.v, x.grad_out))      # [b, h|g, s, d]
+    b, h, s, d = q.shape
+    g = k.shape[1]
     r = h // g
-    outs, lses, dqs, dks, dvs, dos, dbs = [], [], [], [], [], [], []
-    for j in range(g):
-        heads = slice(j * r, (j + 1) * r)
-        q = x.q[:, :, heads].clone().requires_grad_()
-        k = x.k[:, :, j:j + 1].clone().requires_grad_()
-        v = x.v[:, :, j:j + 1].clone().requires_grad_()
-        off = x.offset[:, heads].clone().requires_grad_() if x.offset is not None else None
-        bias = None
+    scale = check_scale(scale, d)
+    dev = q.device
+    if heads is not None:
+        do = do * heads.to(dev, torch.float64).view(1, -1, 1, 1)
+    sink = sink_logits(spec.softmax_type, x.offset, h, dev)
+    a = None if sink is None else sink.reshape(1, h, 1).to(torch.float64)
+    band = spec.band
+    out, dq = torch.zeros_like(q), torch.zeros_like(q)
+    lse_all = torch.zeros(b, h, s, dtype=torch.float64, device=dev)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    d_sink = torch.zeros(h, dtype=torch.float64, device=dev) if a is not None else None
+    d_bias = torch.zeros_like(x.bias) if x.bias is not None else None
+    keys = torch.arange(s, device=dev)
+    selected = torch.arange(s, device=dev) if rows is None else rows.to(dev).nonzero().squeeze(1)
+    per_row = b * h * s * 8
+    n = max(1, min(s, block_bytes // per_row))
+    kg, vg = k.unsqueeze(2), v.unsqueeze(2)                                # [b, g, 1, s, d]
+    for start in range(0, selected.numel(), n):
+        idx = selected[start:start + n]
+        qb = q[:, :, idx].unflatten(1, (g, r))                             # [b, g, r, m, d]
+        dob = do[:, :, idx].unflatten(1, (g, r))
+        scores = (qb @ kg.transpose(-1, -2)).flatten(1, 2) * scale          # [b, h, m, s]
         if x.bias is not None:
-            bias = (x.bias if x.bias.shape[1] == 1 else x.bias[:, heads]).clone().requires_grad_()
-        out, lse = attention(q, k, v, off, softmax_type=spec.softmax_type, mask=spec.mask,
-                             window=_user_window(spec), bias=bias, scale=scale,
-                             qkv_format=spec.qkv_format, return_lse=True)
-        out.backward(grad_out[:, :, heads])
-        outs.append(out.detach()); lses.append(lse.detach())
-        dqs.append(q.grad); dks.append(k.grad); dvs.append(v.grad)
-        if off is not None:
-            dos.append(off.grad)
-        if bias is not None:
-            dbs.append(bias.grad)
-    d_bias = None
-    if dbs:
-        d_bias = torch.cat(dbs, dim=1) if x.bias.shape[1] != 1 else torch.stack(dbs).sum(0)
-    return Result(torch.cat(outs, 2), torch.cat(dqs, 2), torch.cat(dks, 2), torch.cat(dvs, 2),
-                  torch.cat(dos, 1) if dos else None, d_bias, torch.cat(lses, 1))
-
-
-def _user_window(spec: AttnSpec):
-    left, right = spec.window
-    if left is None and right is None:
-        return None
-    return (-1 if left is None else left, -1 if right is None else right)
+            scores += x.bias[:, :, idx]
+        diff = keys.view(1, -1) - idx.view(-1, 1)
+        visible = torch.ones_like(diff, dtype=torch.bool)
+        if band.lo is not None:
+            visible &= diff >= band.lo
+        if band.hi is not None:
+            visible &= diff <= band.hi
+        scores.masked_fill_(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)                               # -inf for a row that sees nothing
+        if a is not None:
+            lse = torch.logaddexp(lse, a.expand_as(lse))
+        finite = lse.masked_fill(lse == float("-inf"), 0.0)
+        p = torch.exp(scores - finite.unsqueeze(-1))                        # 0 where masked
+        del scores
+        pg = p.unflatten(1, (g, r))
+        ob = pg @ vg                                                        # [b, g, r, m, d]
+        delta = (dob * ob).sum(-1).flatten(1, 2)                            # [b, h, m]
+        ds = p * ((dob @ vg.transpose(-1, -2)).flatten(1, 2) - delta.unsqueeze(-1))
+        dsg = ds.unflatten(1, (g, r))
+        out[:, :, idx] = ob.flatten(1, 2)
+        lse_all[:, :, idx] = lse
+        dq[:, :, idx] = (dsg @ kg).flatten(1, 2) * scale
+        dk += (dsg.transpose(-1, -2) @ qb).sum(2) * scale
+        dv += (pg.transpose(-1, -2) @ dob).sum(2)
+        if d_bias is not None:
+            part = ds.sum(0, keepdim=True) if d_bias.shape[0] == 1 else ds
+            d_bias[:, :, idx] += part.sum(1, keepdim=True) if d_bias.shape[1] == 1 else part
+        if d_sink is not None:
+            d_sink -= (torch.exp(a - finite) * delta).sum(dim=(0, 2))
+    return Result(fmt.from_bhsd(out), fmt.from_bhsd(dq), fmt.from_bhsd(dk), fmt.from_bhsd(dv),
+                  None if d_sink is None or spec.softmax_type is not SoftmaxType.LEARNABLE
+                  else d_sink.reshape(1, h, 1, 1), d_bias, lse_all)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ def _check(cli, *args):
 
 @pytest.mark.slow
 def test_a2a_cp2_every_softmax_type_mask_contract_window_and_gqa(cli):
-    code, doc = _check(cli, "--comm", "a2a", "--nproc", "2", "--h", "4", "--g", "2", "--softmax", "all",
+    code, doc = _check(cli, "--comm", "a2a", "--ranks", "2", "--heads", "4", "--kv-heads", "2", "--softmax", "all",
                        "--mask", "all", "--sink-grad", "all", "--dtype", "fp64,fp32", "--window", "6,0", "--bias")
     assert code == 0, doc
     assert len(doc["cases"]) == 2 * 2 * 3 * 2  # masks x dtypes x softmax types x contracts (bias has one too)
@@ -59,7 +59,7 @@ def test_a2a_cp2_every_softmax_type_mask_contract_window_and_gqa(cli):
 
 @pytest.mark.slow
 def test_a2a_cp4_and_a2a_p2p_2x2(cli):
-    code, doc = _check(cli, "--comm", "a2a,a2a+p2p", "--nproc", "4", "--a2a-size", "2", "--h", "8", "--g", "4",
+    code, doc = _check(cli, "--comm", "a2a,a2a+p2p", "--ranks", "4", "--a2a-size", "2", "--heads", "8", "--kv-heads", "4",
                        "--softmax", "all", "--mask", "all", "--sink-grad", "all", "--sink-strategy", "all",
                        "--dtype", "fp64")
     assert code == 0, doc
@@ -69,8 +69,8 @@ def test_a2a_cp4_and_a2a_p2p_2x2(cli):
 
 @pytest.mark.slow
 def test_a2a_p2p_8_ranks_in_4x2_with_a_window_and_sbhd(cli):
-    code, doc = _check(cli, "--comm", "a2a+p2p", "--nproc", "8", "--a2a-size", "4", "--s", "64", "--h", "8",
-                       "--g", "4", "--softmax", "learnable", "--mask", "causal", "--window", "5,0", "--qkv-format",
+    code, doc = _check(cli, "--comm", "a2a+p2p", "--ranks", "8", "--a2a-size", "4", "--seq-len", "64", "--heads", "8",
+                       "--kv-heads", "4", "--softmax", "learnable", "--mask", "causal", "--window", "5,0", "--qkv-format",
                        "sbhd", "--sink-grad", "all", "--dtype", "fp64")
     assert code == 0, doc
     assert doc["cp"] == 8 and len(doc["cases"]) == 2
@@ -78,13 +78,13 @@ def test_a2a_p2p_8_ranks_in_4x2_with_a_window_and_sbhd(cli):
 
 @pytest.mark.slow
 def test_skipping_the_sink_head_slice_is_caught(cli):
-    code, doc = _check(cli, "--comm", "a2a,a2a+p2p", "--nproc", "4", "--h", "8", "--g", "4", "--softmax",
+    code, doc = _check(cli, "--comm", "a2a,a2a+p2p", "--ranks", "4", "--heads", "8", "--kv-heads", "4", "--softmax",
                        "learnable", "--mask", "causal", "--dtype", "fp64", "--inject", "skip-sink-slice")
     assert code == 1
     assert all(not c["passed"] and not c["errors"]["out"]["passed"] for c in doc["cases"])
 
 
 def test_a2a_with_heads_that_do_not_split_is_a_usage_error(cli):
-    res = cli("check", "--comm", "a2a", "--nproc", "4", "--h", "4", "--g", "2")
+    res = cli("check", "--comm", "a2a", "--ranks", "4", "--heads", "4", "--kv-heads", "2")
     assert res.returncode == 2
     assert "h=4 and g=2 must both be divisible by 4" in res.stderr + res.stdout

@@ -63,7 +63,7 @@ def test_bench_direct_schedule_rows_carry_the_planned_bytes(cli, tmp_path):
     from sinkprof import comm_bytes
 
     out = tmp_path / "bench.csv"
-    res = cli("bench", "--nproc", "3", "--s", "48", "--softmax", "vanilla", "--mask", "causal", "--window", "3,0",
+    res = cli("bench", "--ranks", "3", "--seq-len", "48", "--softmax", "vanilla", "--mask", "causal", "--window", "3,0",
               "--dtype", "bf16", "--kv-schedule", "direct", "--warmup", "0", "--iters", "1", "--csv", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     df = pd.read_csv(out)
@@ -119,7 +119,7 @@ def test_simulate_emits_one_nvtx_range_per_step_and_iteration(monkeypatch, tmp_p
     fake = _CountingNvtx()
     monkeypatch.setattr(profiling, "nvtx", fake)
     out = tmp_path / "sim.csv"
-    settings = Settings(softmax=("learnable",), mask=("causal",), dtype=("fp32",), s=64)
+    settings = Settings(softmax=("learnable",), mask=("causal",), dtype=("fp32",), seq_len=64)
     opts = BenchOptions(warmup=1, iters=2, phase="fwdbwd", csv=str(out), nvtx=use_nvtx, simulate=(2, 4))
     assert simulate([settings], opts, __import__("torch").device("cpu")) == 0
     df = pd.read_csv(out)
@@ -135,7 +135,7 @@ def test_simulate_emits_one_nvtx_range_per_step_and_iteration(monkeypatch, tmp_p
 
 def test_report_summarises_and_plots(tmp_path, capsys):
     out = tmp_path / "sim.csv"
-    settings = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp32",), s=64)
+    settings = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp32",), seq_len=64)
     simulate([settings], BenchOptions(warmup=0, iters=2, phase="fwd", csv=str(out), simulate=(2,)),
              __import__("torch").device("cpu"))
     steps = step_table(load([out]))
@@ -146,7 +146,7 @@ def test_report_summarises_and_plots(tmp_path, capsys):
 
 def test_simulate_and_report_keep_the_k_v_schedules_apart(tmp_path):
     out = tmp_path / "sim.csv"
-    settings = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp32",), s=64, window=(3, 0),
+    settings = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp32",), seq_len=64, window=(3, 0),
                         kv_schedule=("ring", "direct"))
     simulate([settings], BenchOptions(warmup=0, iters=1, phase="fwdbwd", csv=str(out), simulate=(4,)),
              __import__("torch").device("cpu"))
@@ -162,3 +162,20 @@ def test_report_rejects_a_file_that_is_not_a_bench_csv(tmp_path):
     bad.write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="missing columns"):
         load([bad])
+
+
+def test_bench_csv_to_stdout_keeps_the_summary_off_it(cli, tmp_path):
+    import io
+    res = cli("bench", "--softmax", "vanilla", "--mask", "causal", "--dtype", "fp32", "--warmup", "0",
+              "--iters", "1", "--csv", "-")
+    assert res.returncode == 0, res.stderr
+    df = pd.read_csv(io.StringIO(res.stdout))
+    assert list(df.columns) == COLUMNS and set(df["rank"]) == {0, 1}
+    assert "TFLOP" in res.stderr or "step" in res.stderr
+
+
+def test_the_csv_records_the_full_commit_hash():
+    import re
+    from sinkprof.tool.bench import _git_sha
+    sha = _git_sha()
+    assert sha == "unknown" or re.fullmatch(r"[0-9a-f]{40}", sha)

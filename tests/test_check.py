@@ -33,7 +33,7 @@ def test_embedded_default_passes_and_covers_p2p_softmax_types_and_masks(cli, tmp
 
 
 def test_cp3_windows_bias_gqa_sbhd_both_strategies_both_contracts_fp64_fp32(cli):
-    res = cli("check", "--nproc", "3", "--s", "48", "--softmax", "learnable,off-by-one", "--mask", "all",
+    res = cli("check", "--ranks", "3", "--seq-len", "48", "--softmax", "learnable,off-by-one", "--mask", "all",
               "--qkv-format", "all", "--dtype", "fp64,fp32", "--sink-strategy", "all", "--sink-grad", "all",
               "--window", "5,0", "--bias", "--format", "json")
     doc = _json(res)
@@ -44,7 +44,7 @@ def test_cp3_windows_bias_gqa_sbhd_both_strategies_both_contracts_fp64_fp32(cli)
 
 
 def test_cp4_all_softmax_types_both_strategies_and_contracts(cli):
-    res = cli("check", "--nproc", "4", "--s", "64", "--softmax", "all", "--mask", "all", "--dtype", "fp64",
+    res = cli("check", "--ranks", "4", "--seq-len", "64", "--softmax", "all", "--mask", "all", "--dtype", "fp64",
               "--sink-strategy", "all", "--sink-grad", "all", "--format", "json")
     doc = _json(res)
     assert res.returncode == 0, res.stdout
@@ -100,10 +100,10 @@ softmax = ["learnable"]
 dtype = ["fp64"]
 sink_strategy = ["step0", "post-merge"]
 kv_schedule = ["ring", "direct"]
-b = 1
-h = 2
-g = 1
-d = 8
+batch = 1
+heads = 2
+kv_heads = 1
+head_dim = 8
 [[cases]]
 mask = ["causal"]
 [[cases]]
@@ -130,7 +130,7 @@ def test_both_kv_schedules_pass_and_move_exactly_the_planned_bytes(cli, tmp_path
 
     profile = tmp_path / "schedules.toml"
     profile.write_text(SCHEDULE_PROFILE)
-    res = cli("check", "--profile", str(profile), "--nproc", str(cp), "--s", str(8 * cp), "--format", "json",
+    res = cli("check", "--profile", str(profile), "--ranks", str(cp), "--seq-len", str(8 * cp), "--format", "json",
               "--timeout", "60", "--run-timeout", "400", timeout=450)
     doc = _json(res)
     assert res.returncode == 0, res.stdout
@@ -170,7 +170,7 @@ def test_a2a_p2p_runs_both_kv_schedules_over_its_ring_of_groups(cli):
     import torch
     from sinkprof import comm_bytes
 
-    res = cli("check", "--nproc", "4", "--comm", "a2a+p2p", "--a2a-size", "2", "--s", "32", "--softmax", "learnable",
+    res = cli("check", "--ranks", "4", "--comm", "a2a+p2p", "--a2a-size", "2", "--seq-len", "32", "--softmax", "learnable",
               "--mask", "causal", "--window", "3,0", "--dtype", "fp64,bf16", "--kv-schedule", "ring,direct",
               "--format", "json")
     doc = _json(res)

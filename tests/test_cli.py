@@ -21,7 +21,7 @@ def test_version_and_help_on_every_command():
 
 
 def test_emulate_json_schema_and_exit_code():
-    res = runner.invoke(app, ["emulate", "--cp", "2,3", "--s", "48", "--mask", "causal", "--format", "json"])
+    res = runner.invoke(app, ["emulate", "--cp", "2,3", "--seq-len", "48", "--mask", "causal", "--format", "json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["passed"] is True
@@ -53,10 +53,10 @@ def test_emulate_csv_reads_back_with_pandas(tmp_path):
     (["emulate", "--strategy", "nope"], "--strategy"),
     (["emulate", "--cp", "0"], "--cp"),
     (["emulate", "--window", "3"], "--window"),
-    (["emulate", "--h", "4", "--g", "3"], "multiple of g"),
+    (["emulate", "--heads", "4", "--kv-heads", "3"], "multiple of g"),
     (["check", "--softmax", "bogus"], "softmax"),
     (["check", "--dtype", "fp8"], "dtype"),
-    (["check", "--s", "66"], "divisible by 2 * cp = 4"),
+    (["check", "--seq-len", "66"], "divisible by 2 * cp = 4"),
     (["check", "--inject", "nope"], "--inject"),
     (["check", "--profile", "no-such-profile"], "unknown"),
     (["check", "--mask", "causal", "--window", "3,2"], "contradicts"),
@@ -90,3 +90,82 @@ def test_doctor_on_the_cpu_says_why_cudnn_and_the_fused_kernels_cannot_run(cli):
     assert all("CUDA device" in c["reason"] for c in cudnn)
     torch_cells = [c for c in cells if c["backend"] == "torch" and c["dtype"] in ("fp64", "fp32")]
     assert torch_cells and all(c["ok"] for c in torch_cells)
+
+
+def _sinkprof_options():
+    """(command, option) for every option of every command, as click sees them."""
+    import typer.main
+    group = typer.main.get_command(app)
+    root = group.make_context("sinkprof", [], resilient_parsing=True)
+    for name, cmd in [("", group), *group.commands.items()]:
+        ctx = root if cmd is group else cmd.make_context(name, [], parent=root, resilient_parsing=True)
+        for param in cmd.get_params(ctx):
+            for opt in [*param.opts, *getattr(param, "secondary_opts", [])]:
+                if opt.startswith("-"):
+                    yield name, opt
+
+
+def test_no_option_is_equal_to_or_a_prefix_of_a_torchrun_option():
+    """torchrun's parser classifies every word after the script too: an option of sinkprof that is
+    a prefix of one of torchrun's (``--s`` of ``--standalone``) makes it exit before sinkprof runs."""
+    from torch.distributed.run import get_args_parser
+    parser = get_args_parser()
+    theirs = {s for action in parser._actions for s in action.option_strings}
+    helps = {"-h", "--help"}   # the same meaning in both; the parse below shows they reach sinkprof
+    seen = 0
+    for command, opt in _sinkprof_options():
+        seen += 1
+        if opt not in helps:
+            clash = [t for t in theirs if t.startswith(opt)]
+            assert not clash, f"sinkprof {command} {opt} is a prefix of torchrun's {clash}"
+        args = parser.parse_args(["--standalone", "--nproc-per-node", "2", "--no-python", "sinkprof",
+                                  *([command] if command else []), opt, "1"])
+        assert args.training_script == "sinkprof" and args.training_script_args[-2:] == [opt, "1"]
+    assert seen > 40
+
+
+def test_the_readme_torchrun_lines_parse_in_torchrun():
+    import re
+    import shlex
+    from pathlib import Path
+    from torch.distributed.run import get_args_parser
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in readme.splitlines() if line.strip().startswith("torchrun ")]
+    assert len(lines) >= 2
+    for line in lines:
+        words = shlex.split(line.split("#")[0])[1:]
+        args = get_args_parser().parse_args(words)
+        script = [args.training_script, *args.training_script_args]
+        i = script.index("sinkprof")
+        assert script[i + 1] in ("check", "bench"), line
+        res = runner.invoke(app, [*script[i + 1:], "--help"])
+        assert res.exit_code == 0, (line, res.output)
+        assert re.search(r"--seq-len", line) or "check" in line
+
+
+def test_the_profiles_ship_in_the_wheel(tmp_path):
+    """A plain (non-editable) install finds the profiles: they are package data."""
+    import subprocess
+    import sys
+    import zipfile
+    from importlib import resources
+    from pathlib import Path
+    shipped = {p.name for p in resources.files("sinkprof").joinpath("profiles").iterdir()}
+    assert {"cpu-default.toml", "te-sink.toml", "gpt-oss-120b.toml"} <= shipped
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(root)],
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    wheel = next(tmp_path.glob("sinkprof-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"sinkprof/profiles/{n}" for n in shipped} <= names
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    csv = tmp_path / "x.csv"
+    csv.write_text("a\n")
+    res = runner.invoke(app, ["report", str(csv), "--plot", str(tmp_path / "plots")])
+    assert res.exit_code == 2 and "sinkprof[plots]" in res.output

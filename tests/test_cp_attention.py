@@ -71,3 +71,19 @@ def test_the_default_sink_strategy_is_the_backends_faster_one():
     assert get_kernel("torch", "cpu").sink_strategy is SinkStrategy.STEP0
     assert CudnnTiles.sink_strategy is SinkStrategy.POST_MERGE    # its native sink is slow backward
     assert FA4Tiles.sink_strategy is SinkStrategy.STEP0           # its native sink costs nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_offset_is_used_in_fp32_and_gets_its_gradient_in_its_dtype(world, dtype):
+    q, k, v, a = (x.float() for x in _inputs())
+    half = a.to(dtype)
+    for fn in (sinkprof.attention, sinkprof.cp_attention):
+        mine = [x.clone().requires_grad_() for x in (q, k, v, half)]
+        ref = [x.clone().requires_grad_() for x in (q, k, v, half.float())]
+        out = fn(*mine, softmax_type="learnable", mask="causal")
+        expected = fn(*ref, softmax_type="learnable", mask="causal")
+        assert torch.allclose(out, expected, atol=1e-6)
+        out.sum().backward()
+        expected.sum().backward()
+        assert mine[3].grad.dtype == dtype
+        assert torch.allclose(mine[3].grad.float(), ref[3].grad.to(dtype).float())

@@ -39,7 +39,7 @@ def csvs(tmp_path_factory):
     res = run_cli("bench", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp32", "--warmup", "0",
                   "--iters", "2", "--csv", str(real))
     assert res.returncode == 0, res.stdout + res.stderr
-    settings = Settings(softmax=("learnable",), mask=("causal",), dtype=("fp32",), s=64)
+    settings = Settings(softmax=("learnable",), mask=("causal",), dtype=("fp32",), seq_len=64)
     simulate([settings], BenchOptions(warmup=0, iters=2, phase="fwd", csv=str(sim), simulate=(4,)),
              __import__("torch").device("cpu"))
     return real, sim

@@ -189,7 +189,7 @@ def test_both_schedules_replay_exactly_in_the_emulator(cp, window):
 
 
 def _profile(name):
-    return tomllib.loads((Path(__file__).resolve().parents[1] / "profiles" / f"{name}.toml").read_text())
+    return tomllib.loads((Path(__file__).resolve().parents[1] / "sinkprof" / "profiles" / f"{name}.toml").read_text())
 
 
 def test_gpt_oss_window_is_128_keys_and_its_layer_moves_50x_fewer_bytes_at_cp8_64k():
@@ -197,7 +197,8 @@ def test_gpt_oss_window_is_128_keys_and_its_layer_moves_50x_fewer_bytes_at_cp8_6
         windows = [tuple(c["window"]) for c in _profile(name)["cases"]]
         assert windows == [(-1, 0), (127, 0)], name
     p = _profile("gpt-oss-120b")
-    args = dict(s=65536, b=p["b"], h=p["h"], g=p["g"], d=p["d"], dtype=torch.bfloat16, cp=8, mask="causal")
+    args = dict(s=65536, b=p["batch"], h=p["heads"], g=p["kv_heads"], d=p["head_dim"], dtype=torch.bfloat16, cp=8,
+                mask="causal")
     for window in [(127, 0), None]:
         ring = sinkprof.comm_bytes(**args, window=window, kv_schedule="ring")
         direct = sinkprof.comm_bytes(**args, window=window, kv_schedule="direct")

@@ -30,11 +30,11 @@ from ..plan import global_rows, shard
 from ..ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
 from ..schedule import comm_schedule, resolved_kv_schedule, row_bytes
 from ..sink import sink_logits
-from ..testing import Shape, make_inputs
+from ..testing import make_inputs
 from .cases import Case, Settings, expand
 from .errors import EXIT_OK
 from .launcher import RankInfo
-from .output import CsvStream, atomic_path
+from .output import STDOUT, CsvStream, atomic_path
 
 PHASES = ("fwd", "bwd", "fwdbwd")
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
@@ -74,7 +74,7 @@ def useful_flops(case: Case, phase: str) -> int:
 
 def _git_sha() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
         return out.stdout.strip() or "unknown"
     except Exception:
@@ -122,6 +122,9 @@ class RowWriter:
     def __init__(self, path: Optional[str]):
         self.rows: list[dict] = []
         self.stream = CsvStream(path, COLUMNS) if path else None
+        if self.stream is not None and self.stream.kept is not None:
+            print(f"sinkprof bench: kept the {self.stream.partial.name} found there as {self.stream.kept}",
+                  file=sys.stderr)
 
     def append(self, rows: list[dict]) -> None:
         self.rows.extend(rows)
@@ -136,6 +139,7 @@ class RowWriter:
         """The run stopped early: keep ``FILE.partial`` and say so."""
         if self.stream is not None:
             self.stream.abandon()
+        if self.stream is not None and self.stream.renames:
             print(f"sinkprof bench: stopped early; the rows measured so far are in {self.stream.partial}",
                   file=sys.stderr)
 
@@ -211,11 +215,17 @@ def bench_job(info: RankInfo, groups: list, opts: BenchOptions) -> int:
         raise
     if writer is not None:
         writer.close()
-        from .report import print_summary
-        print_summary(writer.rows)
-        if opts.csv:
-            print(f"sinkprof bench: wrote {opts.csv} ({len(writer.rows)} rows)")
+        _summary(writer.rows, opts.csv)
     return EXIT_OK
+
+
+def _summary(rows: list, csv_path: Optional[str]) -> None:
+    """The summary table and where the CSV went; on stderr when the CSV itself is on stdout."""
+    from .report import print_summary
+    with contextlib.redirect_stdout(sys.stderr) if csv_path == STDOUT else contextlib.nullcontext():
+        print_summary(rows)
+        if csv_path and csv_path != STDOUT:
+            print(f"sinkprof bench: wrote {csv_path} ({len(rows)} rows)")
 
 
 def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptions, writer, run_id: str):
@@ -273,7 +283,7 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     for cp in opts.simulate:
         for settings in groups:
             try:
-                Shape(settings.b, settings.s, settings.h, settings.g, settings.d).validate(cp)
+                settings.shape.validate(cp)
             except ValueError as exc:
                 raise ValueError(f"--simulate {cp}: {exc}") from None
     writer = RowWriter(opts.csv)
@@ -288,10 +298,7 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
                     meta = metadata(case, cp, device, get_kernel(settings.backend, device).name, True, opts.phase)
                     writer.append([dict(r, run_id=run_id, timestamp=stamp, **meta) for r in rows])
     writer.close()
-    from .report import print_summary
-    print_summary(writer.rows)
-    if opts.csv:
-        print(f"sinkprof bench: wrote {opts.csv} ({len(writer.rows)} rows)")
+    _summary(writer.rows, opts.csv)
     return EXIT_OK
 
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..dist import DEFAULT_TIMEOUT_S
-from ..options import (DTYPES, CommType, KVSchedule, MaskType, QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size,
-                       check_heads, check_sink_strategy, make_spec, parse_dtype, window_pair)
+from ..kernels import unavailable_reason
+from ..options import (DTYPES, Backend, CommType, KVSchedule, MaskType, QKVFormat, SinkGrad, SinkStrategy, SoftmaxType,
+                       check_a2a_size, check_heads, check_sink_strategy, make_spec, parse_dtype, window_pair)
 from ..testing import Shape
 
 
@@ -29,38 +30,68 @@ class Settings:
     window: Optional[tuple] = None
     bias: bool = False
     a2a_size: int = 2
-    b: int = 2
-    s: int = 64
-    h: int = 4
-    g: int = 2
-    d: int = 16
-    nproc: int = 2
+    batch: int = 2
+    seq_len: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ranks: int = 2
     device: str = "cpu"
     backend: str = "auto"
     seed: int = 0
 
     def validate(self) -> None:
-        """Raise ValueError naming the setting for anything a run would trip over later, with the
+        """Raise ValueError naming the option for anything a run would trip over later, with the
         library's own checks (the ones ``cp_attention`` runs on the tensors)."""
+        for name in LIST_FIELDS:
+            if not getattr(self, name):
+                raise ValueError(f"{option(name)} needs at least one value, e.g. {ALL[name][0]} (or 'all')")
         for name, enum in (("comm", CommType), ("softmax", SoftmaxType), ("mask", MaskType),
                            ("qkv_format", QKVFormat), ("sink_grad", SinkGrad), ("kv_schedule", KVSchedule)):
             for value in getattr(self, name):
-                enum.parse(value, name)
+                enum.parse(value, option(name))
         for value in self.sink_strategy:
-            check_sink_strategy(value)
+            check_sink_strategy(value, option("sink_strategy"))
         for name in self.dtype:
-            parse_dtype(name)
+            parse_dtype(name, option("dtype"))
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device {self.device!r} is not supported; use cpu or cuda")
-        if self.nproc < 1:
-            raise ValueError(f"nproc={self.nproc} must be >= 1")
-        Shape(self.b, self.s, self.h, self.g, self.d).validate(self.nproc)
+            raise ValueError(f"--device {self.device!r} is not supported; use cpu or cuda")
+        backend = Backend.parse(self.backend, "--backend")
+        if backend not in (Backend.AUTO, Backend.TORCH):
+            reason = unavailable_reason(backend, self.device)
+            if reason is not None:
+                raise ValueError(f"--backend {backend.value} cannot run here: {reason}; "
+                                 f"use --backend torch (or auto, which picks what runs)")
+        for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ranks", "a2a_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{option(name)} {getattr(self, name)} must be >= 1")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads} (GQA)")
+        if self.seq_len % (2 * self.ranks):
+            step = 2 * self.ranks
+            raise ValueError(f"--seq-len {self.seq_len} must be divisible by 2 * cp = {step} (load-balanced "
+                             f"chunks, cp = --ranks {self.ranks}); use --seq-len {max(step, self.seq_len // step * step)}")
         for mask in self.mask:
-            make_spec("vanilla", mask, self.window, "bshd")
+            try:
+                make_spec("vanilla", mask, self.window, "bshd")
+            except ValueError as exc:
+                raise ValueError(f"--window {','.join(map(str, self.window))}: {exc}") from None
         for comm in map(CommType, self.comm):
             if comm is CommType.A2A_P2P:
-                check_a2a_size(self.a2a_size, self.nproc)
-            check_heads(self.h, self.g, a2a_members(comm, self.nproc, self.a2a_size))
+                check_a2a_size(self.a2a_size, self.ranks)
+            check_heads(self.heads, self.kv_heads, a2a_members(comm, self.ranks, self.a2a_size))
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim)
+
+
+LIST_FIELDS = ("comm", "softmax", "mask", "qkv_format", "dtype", "sink_strategy", "sink_grad")
+
+
+def option(name: str) -> str:
+    """The command-line option of a ``Settings`` field (its profile key is the field name)."""
+    return "--" + name.replace("_", "-")
 
 
 def a2a_members(comm: CommType, cp: int, a2a_size: int) -> int:
@@ -100,7 +131,7 @@ class Case:
 
 def expand(settings: Settings) -> list[Case]:
     """The cross product of the settings' lists; sink options only multiply cases that have a sink."""
-    shape = Shape(settings.b, settings.s, settings.h, settings.g, settings.d)
+    shape = settings.shape
     cases = []
     for comm, softmax, mask, fmt, dtype, kv in itertools.product(settings.comm, settings.softmax, settings.mask,
                                                                  settings.qkv_format, settings.dtype,
@@ -141,12 +172,12 @@ class CaseOptions:
     kv_schedule: Optional[str] = None
     window: Optional[str] = None
     bias: Optional[bool] = None
-    b: Optional[int] = None
-    s: Optional[int] = None
-    h: Optional[int] = None
-    g: Optional[int] = None
-    d: Optional[int] = None
-    nproc: Optional[int] = None
+    batch: Optional[int] = None
+    seq_len: Optional[int] = None
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    ranks: Optional[int] = None
     device: Optional[str] = None
     backend: Optional[str] = None
     dist_backend: str = "auto"

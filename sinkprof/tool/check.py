@@ -1,7 +1,9 @@
 """``sinkprof check``: CP attention against the single-device reference over a matrix of cases.
 
-Every rank builds the same seeded inputs, computes the fp64 reference on the full sequence (fresh
-tensors nothing else writes into, fingerprinted), runs the CP attention on its shard, and compares
+Every rank builds the same seeded inputs, computes its rows of the fp64 reference (blockwise; the
+shares of dk, dv and the replicated gradients are summed over the ranks, so the reference is
+computed once per case; fresh tensors nothing else writes into, fingerprinted), runs the CP
+attention on its shard, and compares
 its shard of out, dq, dk, dv and the replicated gradients (sink, bias) under the chosen contract.
 Errors are reduced (max) over ranks; rank 0 reports. The messages and bytes every rank sends and
 receives, per (phase, step, kind, peer), are checked against the plan's (the byte contract,
@@ -21,7 +23,7 @@ from ..context_parallel import comm_for, cp_attention, cp_groups
 from ..dist import where
 from ..faults import Fault
 from ..kernels import get_kernel
-from ..options import CommType, DTYPES, KVSchedule, SinkGrad, make_spec
+from ..options import CommType, DTYPES, SinkGrad, make_spec
 from ..plan import chunk_ids, shard
 from ..schedule import PHASE_KINDS, CaseComm, case_comm
 from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_inputs, reference,
@@ -65,22 +67,6 @@ def case_traffic(case: Case, cp: int) -> CaseComm:
                      window=case.window, comm=case.comm, a2a_size=case.a2a_size, kv_schedule=case.kv_schedule)
 
 
-def check_fault(fault: Optional[Fault], groups: list) -> None:
-    """Refuse, before any rank starts, a fault that none of the run's messages would carry."""
-    if fault is not Fault.DROP_HALO:
-        return
-    for settings in groups:
-        for case in expand(settings):
-            schedule = case_traffic(case, settings.nproc).schedule
-            if case.comm is CommType.A2A or schedule is None or schedule.kind is not KVSchedule.DIRECT:
-                raise ValueError(f"--inject drop-halo drops a row of a direct-schedule K/V message; case {case.label} "
-                                 f"runs no direct schedule (use --comm p2p or a2a+p2p with --kv-schedule direct "
-                                 f"and at least two ring ranks)")
-            if not schedule.kv_rows(1, 1):
-                raise ValueError(f"--inject drop-halo: in case {case.label} ring rank 0 sends ring rank 1 no K/V "
-                                 f"row, so there is no halo to drop (use a window with left >= 1)")
-
-
 # The tensors compared, in a fixed order so ranks can reduce them element by element.
 NAMES = ("out", "dq", "dk", "dv", "d_sink", "d_sink_sum", "d_bias", "d_bias_sum", "comm", "reference")
 
@@ -111,7 +97,17 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     host = make_inputs(case.shape, spec, seed, with_bias=case.bias)
     # The reference sees exactly the values the CP run sees (rounded to the case's dtype).
     rounded = host.to("cpu", dtype)
-    ref = reference(rounded.to(device, torch.float64), spec)
+    comm = comm_for(None, timeout)
+    # One reference per case, shared: each rank computes its own rows (out and dq of its shard, its
+    # rows' share of dk, dv and the replicated gradients), and the shares are summed.
+    chunk = case.shape.s // (2 * cp)
+    mine = torch.zeros(case.shape.s, dtype=torch.bool)
+    for c in chunk_ids(cp, rank):
+        mine[c * chunk:(c + 1) * chunk] = True
+    ref = reference(rounded.to(device, torch.float64), spec, rows=mine)
+    for name, t in (("dk", ref.dk), ("dv", ref.dv), ("d_sink", ref.d_offset), ("d_bias", ref.d_bias)):
+        if t is not None:
+            comm.all_reduce_(t, f"reference {name} sum")
     snapshot = Snapshot.of(ref)
     ref_part = None
     if case.sink_grad is SinkGrad.PARTIAL and (host.offset is not None or host.bias is not None):
@@ -123,7 +119,6 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     offset = x.offset.requires_grad_() if x.offset is not None else None
     bias = x.bias.requires_grad_() if x.bias is not None else None
     grad_out = shard(x.grad_out, cp, rank, sd)
-    comm = comm_for(None, timeout)
     kernel = get_kernel(backend, device)
     refused_before = set(getattr(kernel, "refused", dict)())
     a2a_size = case.a2a_size if case.comm is CommType.A2A_P2P else None
@@ -132,11 +127,13 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
         c.traffic.clear()
 
     t0 = time.perf_counter()
+    where.phase, where.step, where.op = "fwd", 0, "cp_attention"   # the ring refines it at each exchange
     out = cp_attention(q, k, v, offset, comm=case.comm, softmax_type=case.softmax, mask=case.mask,
                        window=case.window, bias=bias, qkv_format=case.qkv_format, backend=backend,
                        sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=timeout,
                        a2a_size=a2a_size, kv_schedule=case.kv_schedule)
     faults.active.alias_reference(offset, ref)
+    where.phase, where.step, where.op = "bwd", 0, "cp_attention backward"
     out.backward(grad_out)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -1,4 +1,4 @@
-"""Named run configurations (``profiles/*.toml``) for ``check`` and ``bench``.
+"""Named run configurations (``sinkprof/profiles/*.toml``, package data) for ``check`` and ``bench``.
 
 A profile sets any ``check.Settings`` field at its top level; an optional ``[[cases]]`` array adds
 groups that override those fields (TransformerEngine's sink tests are four such groups). Command
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
+from importlib import resources
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -17,9 +18,11 @@ from typing import Optional
 from .cases import CaseOptions, Settings
 from .launcher import under_torchrun
 from .output import Output
+from .preflight import check_dist_backend
 
-LIST_FIELDS = {f.name for f in dataclasses.fields(Settings) if f.type == "tuple"}
-FIELDS = {f.name for f in dataclasses.fields(Settings)}
+FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Settings)}   # annotations as strings
+LIST_FIELDS = {name for name, kind in FIELD_TYPES.items() if kind == "tuple"}
+FIELDS = set(FIELD_TYPES)
 
 
 @dataclass
@@ -41,8 +44,26 @@ class Profile:
 
 def profile_dirs() -> list[Path]:
     dirs = [Path(p) for p in os.environ.get("SINKPROF_PROFILES", "").split(os.pathsep) if p]
-    dirs.append(Path(__file__).resolve().parents[2] / "profiles")
+    dirs.append(Path(str(resources.files("sinkprof").joinpath("profiles"))))   # shipped in the wheel
     return dirs
+
+
+def _expected(key: str, value) -> Optional[str]:
+    """What a profile value of ``key`` must be, when ``value`` is not that; None when it is."""
+    kind = FIELD_TYPES[key]
+    if key in LIST_FIELDS:
+        ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        return None if ok else 'a string or a list of strings, e.g. ["fp64", "bf16"]'
+    if key == "window":
+        ok = isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)
+        return None if ok else "a list of two integers [LEFT, RIGHT], -1 unbounded, e.g. [128, 0]"
+    if kind == "bool":
+        return None if isinstance(value, bool) else "a TOML boolean: true or false (no quotes)"
+    if kind == "int":
+        return None if type(value) is int else "an integer (no quotes, no decimal point)"
+    if kind == "str":
+        return None if isinstance(value, str) else "a string in quotes"
+    return None
 
 
 def _normalize(data: dict, where: str) -> dict:
@@ -50,6 +71,9 @@ def _normalize(data: dict, where: str) -> dict:
     for key, value in data.items():
         if key not in FIELDS:
             raise ValueError(f"{where}: unknown setting {key!r}; known: {', '.join(sorted(FIELDS))}")
+        expected = _expected(key, value)
+        if expected is not None:
+            raise ValueError(f"{where}: {key} = {value!r} must be {expected}")
         if key in LIST_FIELDS:
             value = tuple(value) if isinstance(value, list) else (value,)
         elif key == "window" and value is not None:
@@ -63,10 +87,18 @@ def load(path: Path, name: Optional[str] = None) -> Profile:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"profile {path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"profile {path}: invalid TOML: nested too deeply") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"profile {path}: cannot be read: {exc}") from None
     description = data.pop("description", "")
     groups = data.pop("cases", [])
-    return Profile(name or path.stem, path, description, _normalize(data, str(path)),
-                   [_normalize(g, f"{path} [[cases]] #{i + 1}") for i, g in enumerate(groups)])
+    if not isinstance(description, str):
+        raise ValueError(f"profile {path}: description = {description!r} must be a string in quotes")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError(f"profile {path}: cases must be an array of tables, [[cases]]")
+    return Profile(name or path.stem, path, description, _normalize(data, f"profile {path}"),
+                   [_normalize(g, f"profile {path} [[cases]] #{i + 1}") for i, g in enumerate(groups)])
 
 
 def available() -> dict[str, Path]:
@@ -94,45 +126,53 @@ def find(name: Optional[str]) -> Profile:
     return load(known[name], name)
 
 
-def settings_for(options: CaseOptions, nproc: Optional[int] = None) -> list[Settings]:
+def settings_for(options: CaseOptions, ranks: Optional[int] = None) -> list[Settings]:
     """The validated ``Settings`` groups of a ``check`` or ``bench`` run: the profile, then the
-    command line (``nproc`` overrides ``options.nproc``; under torchrun the world size is it)."""
-    if options.dist_backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"--dist-backend {options.dist_backend!r}: use auto, gloo or nccl")
+    command line (``ranks`` overrides ``options.ranks``; under torchrun the world size is it)."""
     overrides = options.overrides()
-    if nproc is not None:
-        overrides["nproc"] = nproc
+    if ranks is not None:
+        overrides["ranks"] = ranks
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
-        if overrides.get("nproc", world) != world:
-            raise ValueError(f"--nproc {overrides['nproc']} differs from torchrun's WORLD_SIZE={world}; drop --nproc")
-        overrides["nproc"] = world
-    try:
-        groups = find(options.profile).resolve(overrides)
-        for settings in groups:
+        if overrides.get("ranks", world) != world:
+            raise ValueError(f"--ranks {overrides['ranks']} differs from torchrun's WORLD_SIZE={world}; drop --ranks")
+        overrides["ranks"] = world
+    profile = find(options.profile)
+    groups = profile.resolve(overrides)
+    for i, settings in enumerate(groups):
+        try:
             settings.validate()
-    except TypeError as exc:  # a profile value of the wrong type
-        raise ValueError(f"--profile {options.profile!r}: {exc}") from None
+        except ValueError as exc:
+            if profile.path is None:
+                raise
+            group = f" [[cases]] #{i + 1}" if profile.groups else ""
+            raise ValueError(f"{exc} (with the settings of profile {profile.path}{group})") from None
     first = groups[0]
-    if any(gr.nproc != first.nproc or gr.device != first.device for gr in groups):
-        raise ValueError("all [[cases]] of a profile must share nproc and device")
+    if any(gr.ranks != first.ranks or gr.device != first.device for gr in groups):
+        raise ValueError("all [[cases]] of a profile must share ranks and device")
     if first.device == "cuda":
         import torch
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is visible here; use --device cpu")
+    check_dist_backend(options.dist_backend, first.device, first.ranks)
     return groups
 
 
 def show(name: Optional[str], output: Output) -> None:
     """The command: list the profiles, or show the settings groups of one."""
     def table(console):
+        from rich.markup import escape
         from rich.table import Table
         if name is None:
             t = Table(title="profiles")
             for col in ("name", "description", "file"):
                 t.add_column(col)
             for n, path in available().items():
-                t.add_row(n, find(n).description, str(path))
+                try:
+                    description = find(n).description
+                except ValueError as exc:  # one broken file does not hide the others
+                    description = f"(cannot be used: {exc})"
+                t.add_row(escape(n), escape(description), escape(str(path)))
             console.print(t)
             return
         console.print(f"[bold]{prof.name}[/bold]: {prof.description}  ({prof.path})")

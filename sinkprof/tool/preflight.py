@@ -1,0 +1,165 @@
+"""What ``check`` and ``bench`` verify before any rank starts: everything a run would otherwise
+trip over after minutes, on every rank, with a traceback.
+
+``Settings.validate`` checks each settings group (values, shapes, backends, with the library's own
+checks); this module checks the run as a whole: the communication backend, whether an injected
+fault applies to any case, and whether the run fits in memory. Every error is a ``ValueError``
+that names the option and the fix (exit 2, ``tool.errors``). Output paths are checked by
+``tool.output.check_writable``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from ..faults import RANK_FAILURES, Fault
+from ..options import DTYPES, CommType, KVSchedule, SoftmaxType, accum_dtype
+from .cases import Case, expand
+
+GIB = 2 ** 30
+RANK_OVERHEAD = 400 * 2 ** 20     # a rank's own process: the interpreter, torch, gloo (measured: ~350 MiB)
+REFERENCE_BLOCK = 64 * 2 ** 20    # the reference's score block (``testing.reference``): per tensor
+
+
+def check_dist_backend(requested: str, device: str, ranks: int) -> None:
+    """``--dist-backend``: a known name that can run here (NCCL needs a GPU per local rank)."""
+    if requested not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"--dist-backend {requested!r}: use auto, gloo or nccl")
+    if requested != "nccl":
+        return
+    if device != "cuda":
+        raise ValueError("--dist-backend nccl needs --device cuda; use --dist-backend gloo (or auto) on the CPU")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    have = torch.cuda.device_count()
+    if have < local:
+        raise ValueError(f"--dist-backend nccl needs one GPU per rank: {local} rank(s) here, {have} GPU(s) visible; "
+                         f"use --dist-backend gloo (or auto, which stages through host memory)")
+
+
+def applies(fault: Fault, case: Case, ranks: int) -> bool:
+    """Whether ``fault`` changes anything in ``case`` (a fault that cannot, proves nothing)."""
+    learnable = case.softmax is SoftmaxType.LEARNABLE
+    if fault is Fault.SINK_EVERY_TILE:
+        return case.softmax.has_sink and ranks > 1
+    if fault is Fault.NO_SINK_REDUCE:
+        return (learnable or case.bias) and ranks > 1
+    if fault is Fault.ALIASED_REFERENCE:
+        return learnable
+    if fault is Fault.VANILLA_FALLBACK:
+        return case.softmax.has_sink
+    if fault is Fault.SKIP_SINK_SLICE:
+        return learnable and case.comm in (CommType.A2A, CommType.A2A_P2P)
+    if fault is Fault.DROP_HALO:  # a row of a direct-schedule K/V message from ring rank 0 to ring rank 1
+        from .check import case_traffic
+        schedule = case_traffic(case, ranks).schedule
+        return (case.comm is not CommType.A2A and schedule is not None and schedule.kind is KVSchedule.DIRECT
+                and bool(schedule.kv_rows(1, 1)))
+    if fault in RANK_FAILURES:
+        return ranks > 1
+    return True
+
+
+WHAT_IT_NEEDS = {
+    Fault.SINK_EVERY_TILE: "a sink (--softmax off-by-one or learnable) and --ranks >= 2",
+    Fault.NO_SINK_REDUCE: "a replicated gradient (--softmax learnable or --bias) and --ranks >= 2",
+    Fault.ALIASED_REFERENCE: "a learnable offset (--softmax learnable)",
+    Fault.VANILLA_FALLBACK: "a sink (--softmax off-by-one or learnable)",
+    Fault.SKIP_SINK_SLICE: "--softmax learnable with --comm a2a or a2a+p2p",
+    Fault.DROP_HALO: ("a direct K/V schedule in which ring rank 0 sends ring rank 1 K/V rows (--comm p2p or "
+                      "a2a+p2p with --kv-schedule direct, at least two ring ranks, a window with left >= 1 or none)"),
+    Fault.STALL: "--ranks >= 2 (rank 1 stalls)",
+    Fault.CRASH: "--ranks >= 2 (rank 1 crashes)",
+}
+
+
+def check_fault(fault: Optional[Fault], groups: list) -> None:
+    """``--inject``: the fault must apply to at least one case of the run."""
+    if fault is None:
+        return
+    cases = [case for settings in groups for case in expand(settings)]
+    if not any(applies(fault, case, settings.ranks) for settings in groups for case in expand(settings)):
+        raise ValueError(f"--inject {fault.value}: the fault applies to none of the {len(cases)} case(s) of this "
+                         f"run; it needs {WHAT_IT_NEEDS[fault]}")
+
+
+def host_available() -> int:
+    """Bytes of host memory available now (MemAvailable), or the physical memory if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_available() -> Optional[int]:
+    """Free bytes of the smallest visible GPU, None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+
+
+def case_need(case: Case, ranks: int, reference: bool) -> tuple[int, int]:
+    """(host, device) bytes one rank needs for ``case``, excluding its process overhead.
+
+    Host: the full-sequence fp64 inputs and their rounded copy (``make_inputs``). Device (the
+    host when the run is on the CPU): the reference's fp64 inputs, results and one score block,
+    and the CP run's shard, ring buffers, gradients and tile scores. A bias is ``[1, h, S, S]`` on
+    every rank: quadratic in the sequence whatever the algorithm.
+    """
+    sh = case.shape
+    elem = DTYPES[case.dtype].itemsize
+    acc = accum_dtype(DTYPES[case.dtype]).itemsize
+    full = sh.b * sh.s * (2 * sh.h + 2 * sh.g) * sh.d          # q, dO (h heads); k, v (g heads)
+    bias = sh.h * sh.s * sh.s if case.bias else 0
+    host = (full + bias) * (8 + elem)
+    device = 0
+    if reference:
+        block = min(REFERENCE_BLOCK, sh.b * sh.h * sh.s * sh.s * 8)
+        device += (full + bias) * 8 * 2 + 4 * block    # fp64 inputs and results, the score block
+    local = full // ranks
+    chunk = max(1, sh.s // (2 * ranks))
+    device += local * (elem * 4 + acc * 2) + (full + bias) * elem + bias * (elem + acc)
+    device += 3 * sh.b * sh.h * (2 * chunk) * chunk * acc     # a tile's scores, probabilities, gradient
+    return host, device
+
+
+def check_memory(groups: list, ranks: int, device: str, reference: bool,
+                 host_free: Optional[int] = None, device_free: Optional[int] = None) -> None:
+    """Refuse a run that cannot fit: the largest case's need per rank times the ranks on this host."""
+    local = min(ranks, int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
+    host_need = dev_need = 0
+    worst = None
+    for settings in groups:
+        for case in expand(settings):
+            h, d = case_need(case, settings.ranks, reference)
+            if device == "cpu":
+                h, d = h + d, 0
+            if (h, d) > (host_need, dev_need):
+                worst = case
+            host_need, dev_need = max(host_need, h), max(dev_need, d)
+    host_need += RANK_OVERHEAD
+    host_free = host_available() if host_free is None else host_free
+    fix = "lower --seq-len, --batch, --heads or --head-dim, drop --bias, or use fewer --ranks on one machine"
+    if host_need * local > host_free:
+        raise ValueError(f"this run needs about {_gib(host_need * local)} of host memory ({_gib(host_need)} per rank "
+                         f"x {local} rank(s), largest case {worst.label if worst else '-'}, s={worst.shape.s if worst else '-'}) "
+                         f"and {_gib(host_free)} is available; {fix}")
+    if device == "cuda":
+        device_free = device_available() if device_free is None else device_free
+        if device_free is None:
+            return
+        per_gpu = math.ceil(local / max(1, torch.cuda.device_count())) if torch.cuda.is_available() else 1
+        if dev_need * per_gpu > device_free:
+            raise ValueError(f"this run needs about {_gib(dev_need * per_gpu)} of GPU memory per GPU "
+                             f"({_gib(dev_need)} per rank x {per_gpu} rank(s) per GPU) and {_gib(device_free)} is "
+                             f"free; {fix}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"

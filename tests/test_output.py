@@ -1,0 +1,116 @@
+"""The one output path: symlinks, devices and FIFOs, the umask, ``-``, ``FILE.partial``."""
+import csv
+import io
+import os
+import shutil
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sinkprof.cli import app
+from sinkprof.tool.output import CsvStream, Format, Output, OutputError, write_text
+
+COLUMNS = ["a", "b"]
+
+
+def test_writing_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_path):
+    real = tmp_path / "real" / "out.json"
+    real.parent.mkdir()
+    real.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    write_text(link, "new")
+    assert link.is_symlink() and real.read_text() == "new"
+    assert not list(tmp_path.glob(".*tmp*")) and not list(real.parent.glob(".*tmp*"))
+
+
+def test_a_fifo_is_written_in_place(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()))
+    reader.start()
+    write_text(fifo, "through the pipe")
+    reader.join(10)
+    assert got == ["through the pipe"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_dev_null_stays_a_device():
+    write_text("/dev/null", "discarded")
+    stream = CsvStream("/dev/null", COLUMNS)
+    stream.append([{"a": 1, "b": 2}])
+    stream.close()
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert not os.path.exists("/dev/null.partial")
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_new_files_honour_the_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        write_text(tmp_path / "out.json", "{}")
+        stream = CsvStream(tmp_path / "rows.csv", COLUMNS)
+        assert stat.S_IMODE(os.stat(stream.partial).st_mode) == mode
+        stream.close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "out.json").st_mode) == mode
+    assert stat.S_IMODE(os.stat(tmp_path / "rows.csv").st_mode) == mode
+
+
+def test_dash_is_stdout(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Output(Format.JSON, "-").emit(doc={"x": 1})
+    stream = CsvStream("-", COLUMNS)
+    stream.append([{"a": 1, "b": 2}])
+    stream.close()
+    out = capsys.readouterr().out
+    assert '"x": 1' in out and "a,b\n1,2" in out.replace("\r\n", "\n")
+    res = CliRunner().invoke(app, ["emulate", "--cp", "2", "--format", "json", "-o", "-"])
+    assert res.exit_code == 0 and '"passed": true' in res.stdout
+    assert not (tmp_path / "-").exists() and not list(tmp_path.iterdir())
+
+
+def test_a_planted_partial_symlink_is_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / "bench.csv"
+    Path(str(out) + ".partial").symlink_to(victim)
+    stream = CsvStream(out, COLUMNS)
+    stream.append([{"a": 1, "b": 2}])
+    stream.close()
+    assert victim.read_text() == "precious"
+    assert out.read_text().splitlines() == ["a,b", "1,2"]
+    assert Path(str(out) + ".partial.1").is_symlink()
+
+
+def test_an_earlier_runs_partial_rows_are_kept(tmp_path):
+    out = tmp_path / "bench.csv"
+    Path(str(out) + ".partial").write_text("a,b\n7,8\n")
+    Path(str(out) + ".partial.1").write_text("a,b\n5,6\n")
+    stream = CsvStream(out, COLUMNS)
+    assert stream.kept == Path(str(out) + ".partial.2")
+    stream.append([{"a": 1, "b": 2}])
+    stream.close()
+    assert Path(str(out) + ".partial.2").read_text() == "a,b\n7,8\n"
+    assert Path(str(out) + ".partial.1").read_text() == "a,b\n5,6\n"
+
+
+def test_a_removed_folder_stops_the_writes_at_once_with_the_rows_so_far(tmp_path):
+    folder = tmp_path / "results"
+    stream = CsvStream(folder / "bench.csv", COLUMNS)
+    stream.append([{"a": 1, "b": 2}])
+    shutil.rmtree(folder)
+    with pytest.raises(OutputError, match="removed.*2 row.*bench.csv.partial"):
+        stream.append([{"a": 3, "b": 4}])
+    rows = list(csv.DictReader(io.StringIO((folder / "bench.csv.partial").read_text())))
+    assert [r["a"] for r in rows] == ["1", "3"]
+
+
+def test_a_failed_whole_write_names_the_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match="cannot write"):
+        write_text(tmp_path / "file" / "sub" / "out.json", "{}")

@@ -1,0 +1,186 @@
+"""Every usage error is found before any rank starts: exit 2, a message naming the option (or the
+profile file and key) and the fix, no traceback, in a second or two."""
+import re
+import shlex
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sinkprof.cli import app
+from sinkprof.faults import Fault
+from sinkprof.tool import launcher, preflight
+from sinkprof.tool.cases import Settings, expand
+
+runner = CliRunner()
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if a command gets as far as starting ranks."""
+    started = []
+
+    def launch(*args, **kwargs):
+        started.append(kwargs)
+        return 0
+    monkeypatch.setattr(launcher, "launch", launch)
+    return started
+
+
+def _refused(args, message, started):
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert message in res.output, res.output
+    assert "Traceback" not in res.output
+    assert not started
+    return res.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["check", "--backend", "flash"], "--backend"),
+    (["check", "--dtype", ""], "--dtype needs at least one value"),
+    (["check", "--softmax", ","], "--softmax needs at least one value"),
+    (["bench", "--mask", ""], "--mask needs at least one value"),
+    (["check", "--dist-backend", "nccl"], "--dist-backend nccl needs"),
+    (["check", "--dist-backend", "mpi"], "--dist-backend"),
+    (["check", "--inject", "skip-sink-slice"], "--inject skip-sink-slice: the fault applies to none"),
+    (["check", "--inject", "aliased-reference", "--softmax", "vanilla,off-by-one"], "--softmax learnable"),
+    (["check", "--inject", "stall", "--ranks", "1", "--seq-len", "64"], "--ranks >= 2"),
+    (["bench", "--inject", "crash", "--simulate", "4"], "--ranks >= 2"),
+    (["check", "--heads", "4", "--kv-heads", "3"], "--heads 4 must be a multiple of --kv-heads 3"),
+    (["check", "--seq-len", "66"], "use --seq-len 64"),
+    (["check", "--batch", "0"], "--batch 0 must be >= 1"),
+    (["check", "--ranks", "0"], "--ranks 0 must be >= 1"),
+    (["check", "--window", "5"], "--window"),
+    (["check", "--device", "tpu"], "--device"),
+    (["check", "--seq-len", "16777216", "--heads", "64", "--head-dim", "256"], "GiB of host memory"),
+])
+def test_usage_errors_name_the_option_and_start_no_rank(no_launch, args, message):
+    _refused(args, message, no_launch)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU machine's answer")
+@pytest.mark.parametrize("backend", ["cudnn", "fa4"])
+def test_a_gpu_backend_on_the_cpu_is_refused_before_launch(no_launch, backend):
+    out = _refused(["check", "--backend", backend], f"--backend {backend} cannot run here", no_launch)
+    assert "--backend torch" in out
+
+
+@pytest.mark.parametrize("option,extra", [("--output", ["check"]), ("--csv", ["bench"]), ("--output", ["emulate"])])
+def test_an_output_path_under_a_regular_file_is_refused_before_the_run(no_launch, tmp_path, option, extra):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    _refused([*extra, option, str(blocker / "sub" / "out.json")], f"{blocker} is a file, not a folder", no_launch)
+
+
+def test_trace_and_plot_folders_that_cannot_be_created_are_refused(no_launch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    _refused(["bench", "--trace", str(blocker / "t")], "--trace", no_launch)
+    _refused(["bench", "--trace", str(blocker)], "is a file, not a folder", no_launch)
+    csv = tmp_path / "x.csv"
+    csv.write_text("a\n")
+    _refused(["report", str(csv), "--plot", str(blocker / "plots")], "--plot", no_launch)
+
+
+def test_an_output_that_is_a_folder_is_refused(no_launch, tmp_path):
+    _refused(["check", "--output", str(tmp_path)], "is a folder", no_launch)
+
+
+@pytest.mark.parametrize("text,message", [
+    ('bias = "no"\n', 'bias = \'no\' must be a TOML boolean'),
+    ('bias = "false"\n', "TOML boolean"),
+    ('ranks = "two"\n', "ranks = 'two' must be an integer"),
+    ("window = 128\n", "window = 128 must be a list of two integers"),
+    ("seq_len = 64.0\n", "seq_len = 64.0 must be an integer"),
+    ('dtype = [1]\n', "dtype = [1] must be a string or a list of strings"),
+    ("[[cases]]\nheads = true\n", "[[cases]] #1: heads = True must be an integer"),
+    ("x = [\n", "invalid TOML"),
+    ("a = " + "{b = " * 400 + "1" + "}" * 400 + "\n", "nested too deeply"),
+    ("a = " + "[" * 2000 + "]" * 2000 + "\n", "nested too deeply"),
+    ("seq_len = 66\n", "(with the settings of profile"),
+])
+def test_profile_values_of_the_wrong_type_name_the_file_and_key(no_launch, tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    out = _refused(["check", "--profile", str(path)], message, no_launch)
+    assert "bad.toml" in out
+    assert len(out.splitlines()) < 20
+
+
+def test_a_broken_profile_does_not_break_the_list(monkeypatch, tmp_path):
+    (tmp_path / "broken.toml").write_text("x = [\n")
+    (tmp_path / "fine.toml").write_text('description = "a fine one"\nranks = 2\n')
+    monkeypatch.setenv("SINKPROF_PROFILES", str(tmp_path))
+    res = runner.invoke(app, ["profiles"])
+    assert res.exit_code == 0, res.output
+    assert "a fine one" in res.output and "cpu-default" in res.output
+    assert "broken" in res.output and "invalid TOML" in res.output
+
+
+def test_usage_errors_in_a_real_process_take_seconds_and_print_no_traceback(cli):
+    for args in (["check", "--backend", "flash"], ["check", "--dtype", ""], ["check", "--ranks", "64", "--seq-len",
+                 str(2 ** 24), "--heads", "64"], ["bench", "--csv", "/proc/version/x.csv"]):
+        start = time.monotonic()
+        res = cli(*args, timeout=60)
+        assert res.returncode == 2, (args, res.stderr)
+        assert time.monotonic() - start < 15
+        assert "Traceback" not in res.stderr and "rank" not in res.stdout
+
+
+def test_memory_estimate_is_linear_without_a_bias_and_refuses_what_does_not_fit():
+    base = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp64",), seq_len=4096, ranks=2)
+    big = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp64",), seq_len=8192, ranks=2)
+    small_need = preflight.case_need(expand(base)[0], 2, True)
+    big_need = preflight.case_need(expand(big)[0], 2, True)
+    assert big_need[0] == 2 * small_need[0]           # host: the inputs, linear in the sequence
+    preflight.check_memory([base], 2, "cpu", True, host_free=64 * 2 ** 30)
+    with pytest.raises(ValueError, match=r"needs about .* GiB of host memory .* and 0.5 GiB is available"):
+        preflight.check_memory([base], 2, "cpu", True, host_free=2 ** 29)
+    with pytest.raises(ValueError, match="x 64 rank"):
+        preflight.check_memory([Settings(ranks=64, seq_len=128)], 64, "cpu", True, host_free=8 * 2 ** 30)
+    with pytest.raises(ValueError, match="GPU memory"):
+        preflight.check_memory([base], 2, "cuda", True, host_free=64 * 2 ** 30, device_free=2 ** 20)
+
+
+def test_every_fault_applies_to_the_case_that_would_show_it():
+    learnable = Settings(softmax=("learnable",), comm=("a2a",), ranks=2)
+    cases = expand(learnable)
+    for fault in Fault:
+        if fault is not Fault.DROP_HALO:      # a2a moves no K/V rows to drop
+            assert preflight.applies(fault, cases[0], 2), fault
+    assert not preflight.applies(Fault.DROP_HALO, cases[0], 2)
+    direct = expand(Settings(softmax=("vanilla",), window=(3, 0), kv_schedule=("direct",), ranks=2))[0]
+    ring = expand(Settings(softmax=("vanilla",), window=(3, 0), kv_schedule=("ring",), ranks=2))[0]
+    assert preflight.applies(Fault.DROP_HALO, direct, 2) and not preflight.applies(Fault.DROP_HALO, ring, 2)
+    vanilla_p2p = expand(Settings(softmax=("vanilla",)))[0]
+    assert not any(preflight.applies(f, vanilla_p2p, 2) for f in
+                   (Fault.SINK_EVERY_TILE, Fault.NO_SINK_REDUCE, Fault.ALIASED_REFERENCE, Fault.VANILLA_FALLBACK,
+                    Fault.SKIP_SINK_SLICE))
+
+
+def _readme_commands(name):
+    text = README.read_text().replace("\\\n", " ")
+    for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            words = shlex.split(line.split(" # ")[0].split("  #")[0])
+            if name in words:
+                yield words[words.index(name) + 1:]
+
+
+def test_every_readme_check_and_bench_line_is_valid_as_written(no_launch, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    seen = 0
+    for args in _readme_commands("sinkprof"):
+        if not args or args[0] not in ("check", "bench"):
+            continue
+        seen += 1
+        res = runner.invoke(app, args)
+        if "--device cuda: no CUDA device" in res.output:     # the README says these need a GPU
+            assert not torch.cuda.is_available()
+            continue
+        assert res.exit_code == 0, (args, res.output)
+    assert seen >= 8 and no_launch
