@@ -35,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sinkprof import fused  # noqa: E402
 from sinkprof.kernels import get_kernel, unavailable_reason  # noqa: E402
-from sinkprof.options import Band, CPOptions, SinkStrategy, make_spec  # noqa: E402
-from sinkprof.plan import ring_plan, shard  # noqa: E402
+from sinkprof.options import Band, CPOptions, KVSchedule, SinkStrategy, make_spec  # noqa: E402
+from sinkprof.plan import shard  # noqa: E402
 from sinkprof.ring import BackwardState, ForwardState, LocalDKV, LocalKV, run_backward, run_forward  # noqa: E402
+from sinkprof.schedule import CommSchedule  # noqa: E402
 from sinkprof.sink import fold_, sink_grad  # noqa: E402
 
 BWD_FLOPS = 2.5     # a backward counted as 2.5 forwards
@@ -166,8 +167,10 @@ def tile_bench(b, h, g, s, d, band: Band, label: str) -> dict:
 RUNS = [("vanilla", SinkStrategy.STEP0), ("learnable", SinkStrategy.STEP0), ("learnable", SinkStrategy.POST_MERGE)]
 
 
-def _ring_fns(kernel, plan, qh, dol, ks, vs, sink, softmax, strategy, mask, d):
-    """(forward, backward) closures running one rank's whole schedule into preallocated buffers."""
+def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d):
+    """(forward, backward) closures running one rank's whole schedule into preallocated buffers
+    (the ring K/V schedule: every step reads its owner's whole shard in place, no gather)."""
+    plan = schedule.plans[rank]
     b, h = qh.shape[:2]
     opts = CPOptions(make_spec(softmax, mask, None, "bshd"), d ** -0.5, kernel, strategy)
     a = sink if softmax == "learnable" else None
@@ -182,10 +185,11 @@ def _ring_fns(kernel, plan, qh, dol, ks, vs, sink, softmax, strategy, mask, d):
     bwd_state = BackwardState(qh, out, dol, lse, dq)
 
     def fwd():
-        run_forward(plan, LocalKV(ks, vs), state=fwd_state, sink=a, bias=None, opts=opts)
+        run_forward(plan, LocalKV(ks, vs, schedule, rank, "fwd"), state=fwd_state, sink=a, bias=None, opts=opts)
 
     def bwd():
-        run_backward(plan, LocalKV(ks, vs), LocalDKV(dks, dvs), state=bwd_state, sink=a, bias=None, opts=opts)
+        run_backward(plan, LocalKV(ks, vs, schedule, rank, "bwd"), LocalDKV(dks, dvs), state=bwd_state, sink=a,
+                     bias=None, opts=opts)
     return fwd, bwd
 
 
@@ -210,8 +214,9 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool) -> dict:
     for name in backends():
         kernel = get_kernel(name, "cuda")
         slowest = {}
+        schedule = CommSchedule(KVSchedule.RING, cp, chunk, band)
         for rank in sorted({0, cp // 2, cp - 1}):
-            plan = ring_plan(cp, rank, chunk, band)
+            plan = schedule.plans[rank]
             qh = shard(q, cp, rank, 1).permute(0, 2, 1, 3)
             dol = shard(do, cp, rank, 1).permute(0, 2, 1, 3)
             flops = sum(4 * b * h * d * t.band.count(t.q_rows.stop - t.q_rows.start, t.kv_rows.stop - t.kv_rows.start)
@@ -219,7 +224,7 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool) -> dict:
             fns, host = {}, {}
             for softmax, strategy in RUNS:
                 variant = f"{softmax} {strategy.value}"
-                fwd, bwd = _ring_fns(kernel, plan, qh, dol, ks, vs, sink, softmax, strategy, mask, d)
+                fwd, bwd = _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d)
                 fwd(), bwd()
                 host[variant] = (host_us(fwd) + host_us(bwd)) / (2 * len(plan.steps))
                 fns[variant + " fwd"], fns[variant + " bwd"] = fwd, bwd

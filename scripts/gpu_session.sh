@@ -33,22 +33,22 @@ if [[ $what == *" tests "* ]]; then
 fi
 if [[ $what == *" check "* ]]; then
   for backend in fa4 cudnn; do
-    run check_${backend}_cp2 240 $SP check --device cuda --backend $backend --nproc 2 --comm p2p,a2a,a2a+p2p \
-        --softmax all --mask all --dtype bf16,fp16 --sink-strategy all --sink-grad all --b 2 --s 2048 --h 8 --g 2 \
-        --d 64 --format json --output "$OUT/check_${backend}_cp2.json"
+    run check_${backend}_cp2 240 $SP check --device cuda --backend $backend --ranks 2 --comm p2p,a2a,a2a+p2p \
+        --softmax all --mask all --dtype bf16,fp16 --sink-strategy all --sink-grad all --batch 2 --seq-len 2048 --heads 8 --kv-heads 2 \
+        --head-dim 64 --format json --output "$OUT/check_${backend}_cp2.json"
   done
-  run check_fa4_cp4 300 $SP check --device cuda --backend fa4 --nproc 4 --comm p2p,a2a,a2a+p2p --softmax all \
-      --mask all --dtype bf16,fp16 --sink-strategy all --sink-grad all --b 2 --s 2048 --h 8 --g 4 --d 64 \
+  run check_fa4_cp4 300 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a,a2a+p2p --softmax all \
+      --mask all --dtype bf16,fp16 --sink-strategy all --sink-grad all --batch 2 --seq-len 2048 --heads 8 --kv-heads 4 --head-dim 64 \
       --format json --output "$OUT/check_fa4_cp4.json"
-  run check_fa4_cp4_window 200 $SP check --device cuda --backend fa4 --nproc 4 --comm p2p,a2a+p2p --softmax all \
-      --mask causal --window 128,0 --dtype bf16 --sink-strategy all --sink-grad all --b 2 --s 2048 --h 8 --g 4 \
-      --d 64 --format json --output "$OUT/check_fa4_cp4_window.json"
+  run check_fa4_cp4_window 200 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a+p2p --softmax all \
+      --mask causal --window 127,0 --dtype bf16 --sink-strategy all --sink-grad all --batch 2 --seq-len 2048 --heads 8 --kv-heads 4 \
+      --head-dim 64 --format json --output "$OUT/check_fa4_cp4_window.json"
 fi
 if [[ $what == *" kernels "* ]]; then
   run kernel_bench 540 python3 scripts/bench_kernels.py --profile-step --out "$OUT/kernel_bench.json"
 fi
 if [[ $what == *" bench "* ]]; then
-  run bench_te_cp2 150 $SP bench --profile te-sink --nproc 2 --warmup 2 --iters 5 --csv "$OUT/bench_te_cp2.csv" \
+  run bench_te_cp2 150 $SP bench --profile te-sink --ranks 2 --warmup 2 --iters 5 --csv "$OUT/bench_te_cp2.csv" \
       --trace "$OUT/trace"
   run bench_te_sim 120 $SP bench --profile te-sink --simulate 2,4,8 --warmup 2 --iters 5 --csv "$OUT/bench_te_sim.csv"
 fi
