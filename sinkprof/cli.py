@@ -178,6 +178,9 @@ def bench(
     simulate: Optional[str] = typer.Option(None, help="CP sizes (e.g. 8,16,32) whose every rank's compute schedule "
                                                       "runs on this one device, without communication."),
     inject: Optional[str] = typer.Option(None, help="stall or crash rank 1 on the second measured iteration."),
+    link: Optional[str] = typer.Option(None, help="With --simulate: predict each step's communication over this "
+                                                  "link (nvlink, h100-nvlink, h200-nvlink, ib, ib-ndr, or "
+                                                  "GBPS[,LAT_US]); rows marked predicted."),
 ):
     """Time CP attention per ring step (compute, communication, overlap) with NVTX ranges; CSV export.
 
@@ -188,11 +191,13 @@ def bench(
     from .tool.bench import BenchOptions, bench_job
     from .tool.bench import simulate as run_simulation
     from .tool.launcher import launch
+    from .tool.linkmodel import parse_link
     from .tool.profiles import settings_for
 
     sims = tuple(split_list(simulate, "--simulate", positive_int)) if simulate else ()
     fault = Fault.parse(inject, "--inject") if inject else None
-    opts = BenchOptions(warmup, iters, phase, csv_path, trace, use_nvtx, sims, fault, case.timeout)
+    opts = BenchOptions(warmup, iters, phase, csv_path, trace, use_nvtx, sims, fault, case.timeout,
+                        parse_link(link, "--link") if link is not None else None)
     groups = settings_for(case, ranks=1) if sims else settings_for(case)
     check_writable(csv_path, "--csv")
     check_folder(trace, "--trace")

@@ -34,13 +34,14 @@ from ..testing import make_inputs
 from .cases import Case, Settings, expand
 from .errors import EXIT_OK
 from .launcher import RankInfo
+from .linkmodel import Link, predict
 from .output import STDOUT, CsvStream, atomic_path
 
 PHASES = ("fwd", "bwd", "fwdbwd")
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
 COLUMNS = ["run_id", "timestamp", "rank", "iteration", "phase", "step", "kind", "start_ms", "end_ms", "dur_ms",
            "overlap_ms", "exposed_ms", "bytes", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s",
-           "h", "g", "d", "cp", "a2a_size", "kv_schedule", "backend", "merges", "simulated", "flops", "device_name", "torch", "cudnn", "nccl",
+           "h", "g", "d", "cp", "a2a_size", "kv_schedule", "backend", "merges", "simulated", "predicted", "link", "flops", "device_name", "torch", "cudnn", "nccl",
            "sinkprof", "git_sha"]
 
 
@@ -55,8 +56,11 @@ class BenchOptions:
     simulate: tuple = ()            # cp sizes to simulate on one device; empty = a real run
     fault: Optional[Fault] = None   # stall/crash on the second measured iteration (tests the CSV)
     timeout: float = DEFAULT_TIMEOUT_S
+    link: Optional[Link] = None     # with simulate: predict each step's communication over this link
 
     def __post_init__(self):
+        if self.link is not None and not self.simulate:
+            raise ValueError("--link predicts the communication of a --simulate run: give --simulate too")
         if self.phase not in PHASES:
             raise ValueError(f"--phase {self.phase!r}: use fwd, bwd or fwdbwd")
         if self.fault not in (None, *RANK_FAILURES):
@@ -107,7 +111,7 @@ def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simul
         "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
         "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm is CommType.A2A_P2P else "",
         "kv_schedule": kv_schedule_of(case, cp),
-        "backend": backend_name, "merges": _merges(device), "simulated": simulated,
+        "backend": backend_name, "merges": _merges(device), "simulated": simulated, "predicted": False, "link": "",
         "flops": useful_flops(case, phase),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "cudnn": versions()["backend"] or "",
@@ -279,7 +283,9 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
 def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     """``--simulate``: every rank's compute schedule of a cp=N ring, one rank after another, on one
     device (K/V held as the case's K/V schedule holds them); the same CSV schema without
-    communication rows."""
+    communication rows. With ``opts.link``, each rank's rows become a prediction
+    (``linkmodel.predict``): its exchanges from the plan's bytes over the link, the exposed part
+    against the compute measured here, rows marked ``predicted``."""
     for cp in opts.simulate:
         for settings in groups:
             try:
@@ -296,7 +302,9 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
             for cp in opts.simulate:
                 for rows in _simulate_case(case, settings, cp, device, opts):
                     meta = metadata(case, cp, device, get_kernel(settings.backend, device).name, True, opts.phase)
-                    writer.append([dict(r, run_id=run_id, timestamp=stamp, **meta) for r in rows])
+                    if opts.link is not None:
+                        meta["link"] = opts.link.describe()
+                    writer.append([dict(meta, **r, run_id=run_id, timestamp=stamp) for r in rows])
     writer.close()
     _summary(writer.rows, opts.csv)
     return EXIT_OK
@@ -344,4 +352,7 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
         with _capture(device, None, rank):
             _run_iterations(opts.phase, opts.iters, opts.warmup, probe, fwd, bwd,
                             lambda index, rs: [dict(r, rank=rank, iteration=index) for r in rs], rows.extend)
+        if opts.link is not None:
+            rows = predict(rows, schedule.transfers(rank, *row_bytes(case.shape.b, case.shape.g, case.shape.d, dtype)),
+                           opts.link)
         yield rows
