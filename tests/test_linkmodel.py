@@ -174,21 +174,12 @@ def test_simulate_with_link_writes_predicted_rows_that_report_shows(tmp_path, ca
 
 
 @pytest.mark.slow
-def test_prediction_for_gloo_loopback_is_within_a_loose_factor_of_the_measured_exchange(tmp_path, cli):
-    """The link measured, a real 2-rank run's last dK/dV exchange (posted after the last compute
-    and waited at once: the link alone) against the model; very loose, timings on a loaded box."""
+def test_the_loopback_link_is_measured_as_a_fitted_bandwidth_and_latency():
+    """The measurement the validation script uses (scripts/validate_link_model.py compares the
+    model with real runs; timings stay in that benchmark, out of the tests)."""
     from sinkprof.tool.linkmodel import measure_gloo_loopback
     link, seconds = measure_gloo_loopback(sizes=(1 << 12, 1 << 18, 1 << 21), reps=5)
-    assert link.gbps > 0 and math.isfinite(link.latency_us) and len(seconds) == 3
-    out = tmp_path / "real.csv"
-    res = cli("bench", "--softmax", "vanilla", "--mask", "causal", "--dtype", "fp32", "--seq-len", "1024",
-              "--heads", "4", "--kv-heads", "4", "--head-dim", "64", "--batch", "1", "--warmup", "1", "--iters", "3",
-              "--kv-schedule", "ring", "--csv", str(out))
-    assert res.returncode == 0, res.stderr
-    df = pd.read_csv(out)
-    last = df[(df["kind"] == "dkv") & (df["step"] == 1)]
-    plan = [t for t in comm_bytes(s=1024, b=1, h=4, g=4, d=64, dtype=torch.float32, cp=2, mask="causal",
-                                  kv_schedule="ring") if t.rank == 0]
-    predicted = exchange_times(plan, link)[("bwd", 1, "dkv")][0]
-    ratio = last["dur_ms"].median() / predicted
-    assert 0.1 < ratio < 10, (ratio, link, last["dur_ms"].tolist())
+    assert link.gbps > 0 and math.isfinite(link.latency_us) and link.latency_us >= 0
+    assert len(seconds) == 3 and all(t > 0 for t in seconds)
+
+
