@@ -79,8 +79,8 @@ def check_fault(fault: Optional[Fault], groups: list) -> None:
     """``--inject``: the fault must apply to at least one case of the run."""
     if fault is None:
         return
-    cases = [case for settings in groups for case in expand(settings)]
-    if not any(applies(fault, case, settings.ranks) for settings in groups for case in expand(settings)):
+    cases = [(case, settings.ranks) for settings in groups for case in expand(settings)]
+    if not any(applies(fault, case, ranks) for case, ranks in cases):
         raise ValueError(f"--inject {fault.value}: the fault applies to none of the {len(cases)} case(s) of this "
                          f"run; it needs {WHAT_IT_NEEDS[fault]}")
 
