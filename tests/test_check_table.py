@@ -3,13 +3,20 @@ every case's options present, progress only on a terminal."""
 import dataclasses
 import io
 import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
 
 import torch
 from rich.console import Console
 
 from sinkprof.testing import Error, Tolerance
 from sinkprof.tool.cases import Settings, expand
-from sinkprof.tool.check import CaseResult, case_parts, render_table, report, split_parts
+from sinkprof.tool.check import CaseProgress, CaseResult, case_parts, render_table, report, split_parts
 from sinkprof.tool.launcher import RankInfo
 from sinkprof.tool.output import Format, Output
 
@@ -84,3 +91,52 @@ def test_json_report_keeps_every_tensor_error(capsys):
     assert doc["cases"][0]["errors"]["out"]["max_abs"] == 1.234e-5
     assert doc["cases"][0]["tolerance"] == {"atol": 1e-5, "rtol": 1e-5}
 
+
+def test_progress_on_a_terminal_counts_cases_and_names_the_one_running():
+    buf = io.StringIO()
+    labels = [r.case.label for r in _results()[:3]]
+    with CaseProgress(len(labels), Console(file=buf, force_terminal=True, width=120)) as progress:
+        for n, label in enumerate(labels):
+            progress.start(label)
+            progress._bar.refresh()
+            assert f"{n}/3" in buf.getvalue() and label in buf.getvalue()
+            progress.done()
+    assert "3/3" in buf.getvalue()
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+def test_progress_only_for_rank0_tables_on_a_terminal(monkeypatch):
+    monkeypatch.setattr(sys, "stderr", _Stream(True))
+    assert CaseProgress.for_run(3, 0, Output(Format.TABLE)).console is not None
+    assert CaseProgress.for_run(3, 1, Output(Format.TABLE)).console is None
+    assert CaseProgress.for_run(3, 0, Output(Format.JSON)).console is None
+    monkeypatch.setattr(sys, "stderr", _Stream(False))
+    assert CaseProgress.for_run(3, 0, Output(Format.TABLE)).console is None
+    with CaseProgress.for_run(3, 0, Output(Format.TABLE)) as progress:   # no console: does nothing
+        progress.start("p2p/vanilla")
+        progress.done()
+    assert sys.stderr.getvalue() == ""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs script(1) for a terminal")
+def test_check_on_a_terminal_shows_progress_and_in_a_pipe_does_not(cli, tmp_path):
+    args = ["check", "--softmax", "vanilla", "--mask", "causal,no_mask", "--dtype", "fp64"]
+    log = tmp_path / "tty.log"
+    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "sinkprof", *args])
+    res = subprocess.run(["script", "-qec", command, str(log)], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "COLUMNS": "80", "LINES": "24", "TERM": "xterm"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    seen = log.read_text(errors="replace")
+    assert "2/2" in seen and "p2p/vanilla/no_mask/bshd/fp64" in seen, seen
+    piped = cli(*args)
+    assert piped.returncode == 0, piped.stdout + piped.stderr
+    assert piped.stderr == "" and "2/2" not in piped.stdout and "2 passed, 0 failed" in piped.stdout

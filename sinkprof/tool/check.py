@@ -11,6 +11,7 @@ receives, per (phase, step, kind, peer), are checked against the plan's (the byt
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -31,7 +32,7 @@ from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_
 from .cases import Case, Settings, a2a_members, expand
 from .errors import EXIT_FAILED, EXIT_OK
 from .launcher import RankInfo
-from .output import Output
+from .output import Format, Output
 
 
 @dataclass
@@ -225,11 +226,57 @@ def _reduce(case, cp, errors, tol, seconds, notes, info: RankInfo, comm, backend
     return CaseResult(case, cp, all(e.passed for e in reduced.values()), reduced, tol, vals[-1], notes, backend)
 
 
+class CaseProgress:
+    """Cases done out of all and the case running, as a bar on ``console`` (stderr of a terminal),
+    gone when the run ends; without a console, nothing."""
+
+    def __init__(self, total: int, console=None):
+        self.total = total
+        self.console = console
+        self._bar = None
+        self._task = None
+
+    @classmethod
+    def for_run(cls, total: int, rank: int, output: Output) -> "CaseProgress":
+        """Shown by rank 0 of a table run when stderr is a terminal; CI logs, pipes and JSON get none."""
+        if rank != 0 or output.format is not Format.TABLE or not sys.stderr.isatty():
+            return cls(total)
+        from rich.console import Console
+        return cls(total, Console(stderr=True))
+
+    def __enter__(self) -> "CaseProgress":
+        if self.console is not None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            self._bar = Progress(TextColumn("check"), MofNCompleteColumn(), BarColumn(bar_width=20),
+                                 TimeElapsedColumn(), TextColumn("{task.description}"), console=self.console,
+                                 transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("", total=self.total)
+        return self
+
+    def start(self, label: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=label)
+
+    def done(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
 def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: float, output: Output) -> int:
-    """The body every rank runs over every settings group; rank 0 reports; exit 0 only if all passed."""
-    with faults.injected(fault):
-        results = [run_case(case, info, settings.seed, settings.backend, timeout)
-                   for settings in groups for case in expand(settings)]
+    """The body every rank runs over every settings group; rank 0 reports (and shows progress on a
+    terminal); exit 0 only if all passed."""
+    cases = [(settings, case) for settings in groups for case in expand(settings)]
+    results = []
+    with faults.injected(fault), CaseProgress.for_run(len(cases), info.rank, output) as progress:
+        for settings, case in cases:
+            progress.start(case.label)
+            results.append(run_case(case, info, settings.seed, settings.backend, timeout))
+            progress.done()
     passed = all(r.passed for r in results)
     if info.rank == 0:
         report(results, passed, info, groups[0], fault, output)
