@@ -114,19 +114,24 @@ class Case:
     a2a_size: int = 2
     kv_schedule: KVSchedule = KVSchedule.AUTO
 
+    def parts(self) -> dict:
+        """The case in words, one entry per option it sets (option name -> text), in label order."""
+        parts = {"comm": f"a2a+p2p({self.a2a_size})" if self.comm is CommType.A2A_P2P else self.comm.value,
+                 "softmax": self.softmax.value, "mask": self.mask.value, "qkv_format": self.qkv_format.value,
+                 "dtype": self.dtype}
+        if self.softmax.has_sink:
+            parts.update(sink_strategy=self.sink_strategy.value, sink_grad=f"grad={self.sink_grad.value}")
+        if self.window is not None:
+            parts["window"] = f"window={self.window[0]},{self.window[1]}"
+        if self.bias:
+            parts["bias"] = "bias"
+        if self.kv_schedule is not KVSchedule.AUTO:
+            parts["kv_schedule"] = f"kv={self.kv_schedule.value}"
+        return parts
+
     @property
     def label(self) -> str:
-        comm = f"a2a+p2p({self.a2a_size})" if self.comm is CommType.A2A_P2P else self.comm.value
-        parts = [comm, self.softmax.value, self.mask.value, self.qkv_format.value, self.dtype]
-        if self.softmax.has_sink:
-            parts += [self.sink_strategy.value, f"grad={self.sink_grad.value}"]
-        if self.window is not None:
-            parts.append(f"window={self.window[0]},{self.window[1]}")
-        if self.bias:
-            parts.append("bias")
-        if self.kv_schedule is not KVSchedule.AUTO:
-            parts.append(f"kv={self.kv_schedule.value}")
-        return "/".join(parts)
+        return "/".join(self.parts().values())
 
 
 def expand(settings: Settings) -> list[Case]:

@@ -11,6 +11,7 @@ receives, per (phase, step, kind, peer), are checked against the plan's (the byt
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -31,7 +32,7 @@ from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_
 from .cases import Case, Settings, a2a_members, expand
 from .errors import EXIT_FAILED, EXIT_OK
 from .launcher import RankInfo
-from .output import Output
+from .output import Format, Output
 
 
 @dataclass
@@ -225,11 +226,57 @@ def _reduce(case, cp, errors, tol, seconds, notes, info: RankInfo, comm, backend
     return CaseResult(case, cp, all(e.passed for e in reduced.values()), reduced, tol, vals[-1], notes, backend)
 
 
+class CaseProgress:
+    """Cases done out of all and the case running, as a bar on ``console`` (stderr of a terminal),
+    gone when the run ends; without a console, nothing."""
+
+    def __init__(self, total: int, console=None):
+        self.total = total
+        self.console = console
+        self._bar = None
+        self._task = None
+
+    @classmethod
+    def for_run(cls, total: int, rank: int, output: Output) -> "CaseProgress":
+        """Shown by rank 0 of a table run when stderr is a terminal; CI logs, pipes and JSON get none."""
+        if rank != 0 or output.format is not Format.TABLE or not sys.stderr.isatty():
+            return cls(total)
+        from rich.console import Console
+        return cls(total, Console(stderr=True))
+
+    def __enter__(self) -> "CaseProgress":
+        if self.console is not None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            self._bar = Progress(TextColumn("check"), MofNCompleteColumn(), BarColumn(bar_width=20),
+                                 TimeElapsedColumn(), TextColumn("{task.description}"), console=self.console,
+                                 transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("", total=self.total)
+        return self
+
+    def start(self, label: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=label)
+
+    def done(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
 def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: float, output: Output) -> int:
-    """The body every rank runs over every settings group; rank 0 reports; exit 0 only if all passed."""
-    with faults.injected(fault):
-        results = [run_case(case, info, settings.seed, settings.backend, timeout)
-                   for settings in groups for case in expand(settings)]
+    """The body every rank runs over every settings group; rank 0 reports (and shows progress on a
+    terminal); exit 0 only if all passed."""
+    cases = [(settings, case) for settings in groups for case in expand(settings)]
+    results = []
+    with faults.injected(fault), CaseProgress.for_run(len(cases), info.rank, output) as progress:
+        for settings, case in cases:
+            progress.start(case.label)
+            results.append(run_case(case, info, settings.seed, settings.backend, timeout))
+            progress.done()
     passed = all(r.passed for r in results)
     if info.rank == 0:
         report(results, passed, info, groups[0], fault, output)
@@ -242,34 +289,84 @@ def report(results: list, passed: bool, info: RankInfo, settings: Settings, faul
            "cases": [r.to_json() for r in results]}
 
     def table(console):
-        from rich.table import Table
-        t = Table(title=f"sinkprof check: cp={info.world} on {info.device} ({info.backend})"
-                        + (f", injected fault {fault.value}" if fault else ""))
-        cols = [n for n in NAMES if any(n in r.errors for r in results)]
-        t.add_column("case")
-        for n in cols:
-            t.add_column(n, justify="right")
-        t.add_column("atol/rtol")
-        t.add_column("time", justify="right")
-        t.add_column("result")
-        for r in results:
-            cells = []
-            for n in cols:
-                e = r.errors.get(n)
-                if e is None:
-                    cells.append("")
-                elif n in ("comm", "reference"):
-                    cells.append("ok" if e.passed else "[red]FAIL[/red]")
-                else:
-                    cells.append(f"{e.max_abs:.1e}" if e.passed else f"[red]{e.max_abs:.1e}[/red]")
-            t.add_row(r.case.label, *cells, f"{r.tolerance.atol:g}/{r.tolerance.rtol:g}", f"{r.seconds:.2f}s",
-                      "[green]pass[/green]" if r.passed else "[red]FAIL[/red]")
-        console.print(t)
-        for n in (n for r in results for n in r.notes):
-            console.print(f"note: {n}")
-        failed = sum(not r.passed for r in results)
-        console.print(f"{len(results) - failed} passed, {failed} failed")
+        title = (f"sinkprof check: cp={info.world} on {info.device} ({info.backend})"
+                 + (f", injected fault {fault.value}" if fault else ""))
+        render_table(results, title, console)
 
     output.emit(doc=doc, table=table)
     if output.to_file:
         print(f"sinkprof check: {'passed' if passed else 'FAILED'}; wrote {output.path}")
+
+
+# The tensors whose error is a ratio to the tolerance; the others ("comm", "reference") pass or fail.
+COMPARED = tuple(n for n in NAMES if n not in ("comm", "reference"))
+
+
+def case_parts(case: Case) -> dict:
+    """What the table says about a case: its options and its shape (cases of several settings
+    groups may differ in shape)."""
+    sh = case.shape
+    return dict(case.parts(), shape=f"b={sh.b} s={sh.s} h={sh.h} g={sh.g} d={sh.d}")
+
+
+def split_parts(cases: list) -> tuple:
+    """(the parts every case shares, in order; per case the parts that vary): a part is shared
+    when every case has it with the same text."""
+    parts = [case_parts(c) for c in cases]
+    keys = list(dict.fromkeys(k for p in parts for k in p))
+    shared = [k for k in keys if all(k in p and p[k] == parts[0][k] for p in parts)]
+    common = [parts[0][k] for k in shared] if parts else []
+    return common, [[text for k, text in p.items() if k not in shared] for p in parts]
+
+
+def worst_error(result: CaseResult) -> tuple:
+    """(name, ratio) of the compared tensor furthest from its tolerance: max |err| / (atol + rtol
+    |expected|), <= 1 passes; (None, 0.0) when nothing was compared."""
+    found = [(n, result.errors[n].worst) for n in COMPARED if n in result.errors]
+    if not found:
+        return None, 0.0
+    return max(found, key=lambda item: (item[1] != item[1], item[1]))   # nan counts as the worst
+
+
+def render_table(results: list, title: str, console) -> None:
+    """The report as a table that reads at 80 columns: the case options every case shares once,
+    above it; per case the options that vary, the worst error as a ratio to the tolerance (and
+    which tensor), the byte contract and reference checks, the time and the result. Cells wrap,
+    never cut; ``--format json`` has every tensor's error."""
+    from rich.table import Table
+    from rich.text import Text
+    common, varying = split_parts([r.case for r in results])
+    console.print(Text(title, style="bold"))
+    if common:
+        console.print(Text("every case: " + ", ".join(common)))
+    t = Table(show_edge=False, pad_edge=False)
+    t.add_column("#", justify="right", overflow="fold")
+    if any(varying):
+        longest = max(len(p) for parts in varying for p in parts)
+        t.add_column("case", overflow="fold", min_width=min(longest, 24))
+    t.add_column("worst err/tol", justify="right", overflow="fold")
+    t.add_column("checks", overflow="fold")
+    t.add_column("time", justify="right", overflow="fold")
+    t.add_column("result", overflow="fold")
+    for i, (r, parts) in enumerate(zip(results, varying), 1):
+        name, ratio = worst_error(r)
+        worst = Text("-" if name is None else f"{ratio:.2g} {name}", style="" if ratio <= 1.0 else "red")
+        failed = [n for n in ("comm", "reference") if n in r.errors and not r.errors[n].passed]
+        checks = Text(" ".join(f"{n} FAIL" for n in failed), style="red") if failed else Text("ok")
+        cells = [str(i)] + ([Text(" ".join(parts))] if any(varying) else [])
+        t.add_row(*cells, worst, checks, f"{r.seconds:.2f}s",
+                  Text("pass", style="green") if r.passed else Text("FAIL", style="red"))
+    console.print(t)
+    tolerances: dict = {}
+    for r in results:
+        tolerances.setdefault(r.case.dtype, []).append(f"{r.tolerance.atol:g}/{r.tolerance.rtol:g}")
+    console.print(Text("worst err/tol: the largest |error| / (atol + rtol |expected|) over "
+                       + ", ".join(n for n in COMPARED if any(n in r.errors for r in results))
+                       + "; a case passes at <= 1 (every tensor's error: --format json). atol/rtol: "
+                       + "; ".join(f"{dtype} {', '.join(dict.fromkeys(tols))}" for dtype, tols in tolerances.items())
+                       + ". checks: the messages and bytes against the plan's, and a reference nothing wrote into.",
+                       style="dim"))
+    for n in (n for r in results for n in r.notes):
+        console.print(Text(f"note: {n}"))
+    failed = sum(not r.passed for r in results)
+    console.print(f"{len(results) - failed} passed, {failed} failed")

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .figures import exposed_spans
-from .report import CASE_KEYS, COMM_KINDS, label
+from .report import CASE_KEYS, COMM_KINDS, exposed_spans, label
 
 COMPUTE_TID = 0
 COMM_TIDS = {"kv": 1, "dkv": 2, "a2a": 3}

@@ -4,7 +4,7 @@ A timeline shows one iteration (the median one by wall time) of every rank: a la
 and a lane for its communication, each ring step a bar with its number on it, the part of an
 exchange that no compute of its step overlapped (the exposed communication, as the CSV's
 ``exposed_ms`` counts it) in red, the hidden part in green; times in ms from each rank's iteration
-start. The summary puts TFLOP/s per GPU and the exposed share side by side, each case labelled by
+start. The summary puts FLOP/s per GPU (per rank on the CPU) and the exposed share side by side, each case labelled by
 what differs between the cases. Rows that are predictions (``predicted``) are hatched and titled so.
 """
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from .report import CASE_KEYS, COMM_KINDS, iteration_table, label, run_part, slugs
+from .report import (CASE_KEYS, COMM_KINDS, exposed_spans, flops_unit, iteration_table, label, run_part,
+                     slugs)
 
 COMPUTE = "#4C72B0"
 HIDDEN = "#55A868"
@@ -69,17 +70,6 @@ def median_iteration(rows: pd.DataFrame) -> tuple[int, int]:
         its = sorted(rows["iteration"].unique())
         return int(its[0]), len(its)
     return int(walls.index[(len(walls) - 1) // 2]), len(walls)
-
-
-def exposed_spans(comm, compute) -> list[tuple[float, float]]:
-    """The parts of one exchange [start, end] outside its step's compute (None: all of it)."""
-    s, e = float(comm["start_ms"]), float(comm["end_ms"])
-    if compute is None:
-        return [(s, e)]
-    cs, ce = float(compute["start_ms"]), float(compute["end_ms"])
-    spans = [(s, min(e, cs))] if s < cs else []
-    spans += [(max(s, ce), e)] if e > ce else []
-    return [(a, b) for a, b in spans if b > a]
 
 
 def timeline(rows: pd.DataFrame, phase: str) -> bytes:
@@ -186,16 +176,8 @@ def case_labels(its: pd.DataFrame) -> tuple[list[str], str]:
     return labels, ", ".join(filter(None, (_show(k, its.iloc[0][k]) for k in same)))
 
 
-def flops_unit(tflops: float) -> tuple[float, str]:
-    """(scale, unit) that shows ``tflops`` (TFLOP/s) with a few digits: a CPU run in GFLOP/s."""
-    for scale, unit in ((1.0, "TFLOP/s"), (1e3, "GFLOP/s"), (1e6, "MFLOP/s")):
-        if tflops * scale >= 1.0:
-            return scale, unit
-    return 1e6, "MFLOP/s"
-
-
 def summary(its: pd.DataFrame) -> bytes:
-    """TFLOP/s per GPU and the exposed share of the wall time, per case and phase, side by side."""
+    """FLOP/s per GPU (or rank) and the exposed share of the wall time, per case and phase, side by side."""
     import matplotlib.pyplot as plt
     labels, common = case_labels(its)
     n = len(its)
@@ -221,12 +203,12 @@ def summary(its: pd.DataFrame) -> bytes:
     left.set_yticks(ys, [f"{lab} (predicted)" if p else lab for lab, p in zip(labels, its["predicted"])],
                     fontsize=8)
     left.set_ylim(n - 0.5, -0.5)
-    left.set_xlabel(f"{unit} per GPU")
+    left.set_xlabel(f"{unit} per {' or '.join(sorted(set(its['per'])))}")
     right.set_xlabel("exposed communication, % of the wall time")
     for ax in (left, right):
         ax.grid(axis="x", color="#dddddd", linewidth=0.6)
         ax.set_axisbelow(True)
     fig.suptitle((f"All cases: {common}\n" if common else "")
-                 + "useful FLOPs over the slowest rank's median iteration; exposed time summed over the exchanges "
-                 "(kv and dkv may overlap each other)", fontsize=9)
+                 + "useful FLOPs over the slowest rank's median iteration; exposed time: the union of the "
+                 "exchanges' exposed parts (kv and dkv overlapping counted once)", fontsize=9)
     return _png(fig)

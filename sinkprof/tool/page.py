@@ -10,7 +10,7 @@ from html import escape
 import pandas as pd
 
 from .figures import Pictures
-from .report import CASE_KEYS, case_key, iteration_table, label, rank_table, select, step_table
+from .report import CASE_KEYS, case_key, flops_text, iteration_table, label, rank_table, select, step_table
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1250px; color: #222; }
@@ -63,9 +63,9 @@ def page(df: pd.DataFrame, pictures: Pictures, sources: list) -> str:
     if pictures.summary:
         parts.append(_img(pictures.summary, "summary across cases"))
     if not its.empty:
-        parts.append(_table(["case", "phase", "ms/iter", "TFLOP/s per GPU", "exposed comm ms", "exposed %"],
+        parts.append(_table(["case", "phase", "ms/iter", "FLOP/s", "exposed comm ms", "exposed %"],
                             [[("PREDICTION " if r["predicted"] else "") + label(r).removeprefix("PREDICTION "),
-                              r["phase"], f"{r['wall_ms']:.3f}", f"{r['tflops_per_gpu']:.4g}",
+                              r["phase"], f"{r['wall_ms']:.3f}", flops_text(r["tflops_per_gpu"], r["per"]),
                               f"{r['exposed_comm_ms']:.3f}", f"{r['exposed_pct']:.1f}"]
                              for _, r in its.iterrows()], text_cols=1))
     cases = its if not its.empty else df.drop_duplicates(CASE_KEYS)
@@ -77,7 +77,7 @@ def page(df: pd.DataFrame, pictures: Pictures, sources: list) -> str:
                      f"{escape(label(row).removeprefix('PREDICTION '))}</h2>")
         if "wall_ms" in row:
             parts.append(f"<p>{escape(str(row['phase']))}: {row['wall_ms']:.3f} ms per iteration (slowest rank), "
-                         f"{row['tflops_per_gpu']:.4g} TFLOP/s per GPU, exposed communication "
+                         f"{flops_text(row['tflops_per_gpu'], row['per'])}, exposed communication "
                          f"{row['exposed_comm_ms']:.3f} ms ({row['exposed_pct']:.1f}%)</p>")
         for phase in ("fwd", "bwd"):
             if (case, phase) in pictures.timelines:

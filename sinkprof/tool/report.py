@@ -3,8 +3,10 @@
 
 One summary per run and case: per phase and ring step, the compute time, the communication time,
 how much of it overlapped compute and how much was exposed (medians over iterations, the slowest
-rank); per iteration the wall time of the slowest rank and the TFLOP/s per GPU from the useful
-FLOPs (causal counted once). Pictures (``figures``), the page (``page``) and the trace
+rank); per iteration the wall time of the slowest rank, the FLOP/s per GPU (per rank on the CPU,
+in the unit that fits) from the useful FLOPs (causal counted once), and the exposed share: the
+union of the exchanges' exposed parts (kv and dkv overlap in the backward; counted once) over the
+wall time. Pictures (``figures``), the page (``page``) and the trace
 (``chrome_trace``) are drawn from the same loaded frame.
 """
 from __future__ import annotations
@@ -127,7 +129,9 @@ def step_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def iteration_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per case and phase: wall ms of the slowest rank (median over iterations) and TFLOP/s per GPU."""
+    """Per case and phase: wall ms of the slowest rank (median over iterations), TFLOP/s per GPU
+    (``per``: GPU, or rank on the CPU), and the exposed communication (``exposed_time``) and its
+    share of the wall time."""
     it = df[df["kind"] == "iteration"]
     if it.empty:
         return pd.DataFrame()
@@ -135,8 +139,10 @@ def iteration_table(df: pd.DataFrame) -> pd.DataFrame:
     out = worst.groupby(level=CASE_KEYS + ["phase"]).agg(wall_ms=("wall_ms", "median"), flops=("flops", "first"),
                                                          iterations=("wall_ms", "size")).reset_index()
     out["tflops_per_gpu"] = out["flops"] / out["cp"].astype(float) / (out["wall_ms"] * 1e-3) / 1e12
+    out = out.merge(df.groupby(CASE_KEYS)["device_name"].agg(per_device).rename("per").reset_index(),
+                    on=CASE_KEYS, how="left")
     # A run measures one phase (fwd, bwd or fwdbwd): its communication rows belong to that phase.
-    comm = df[df["kind"].isin(COMM_KINDS)].groupby(CASE_KEYS + ["iteration", "rank"])["exposed_ms"].sum()
+    comm = exposed_time(df)
     if not comm.empty:
         exposed = comm.groupby(level=CASE_KEYS + ["iteration"]).max().groupby(
             level=CASE_KEYS).median().rename("exposed_comm_ms").reset_index()
@@ -148,6 +154,71 @@ def iteration_table(df: pd.DataFrame) -> pd.DataFrame:
     has_comm = df.assign(has_comm=df["kind"].isin(COMM_KINDS)).groupby(CASE_KEYS)["has_comm"].any()
     out = out.merge(has_comm.reset_index(), on=CASE_KEYS, how="left")
     return out.merge(_predicted(df, CASE_KEYS).reset_index(), on=CASE_KEYS, how="left")
+
+
+def exposed_spans(comm, compute) -> list[tuple[float, float]]:
+    """The parts of one exchange [start, end] outside its step's compute (None: all of it)."""
+    s, e = float(comm["start_ms"]), float(comm["end_ms"])
+    if compute is None:
+        return [(s, e)]
+    cs, ce = float(compute["start_ms"]), float(compute["end_ms"])
+    spans = [(s, min(e, cs))] if s < cs else []
+    spans += [(max(s, ce), e)] if e > ce else []
+    return [(a, b) for a, b in spans if b > a]
+
+
+def union_ms(spans) -> float:
+    """The length of the union of the intervals ``spans`` (each counted once where they overlap)."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def exposed_time(df: pd.DataFrame) -> pd.Series:
+    """Exposed communication ms per (case, iteration, rank): the length of the union of the
+    exchanges' exposed parts (``exposed_spans``), so time when two exchanges (kv and dkv in the
+    backward) are both exposed counts once. A row without start and end times (it cannot be
+    placed) adds its ``exposed_ms``."""
+    keys = CASE_KEYS + ["iteration", "rank"]
+    rows = df[df["kind"].isin(COMM_KINDS + ("compute",))]
+    if not rows["kind"].isin(COMM_KINDS).any():
+        return pd.Series(dtype=float)
+    out = {}
+    for key, part in rows.groupby(keys, sort=False):
+        computes = {(c["phase"], int(c["step"])): c for _, c in part[part["kind"] == "compute"].iterrows()}
+        comm = part[part["kind"] != "compute"]
+        if comm.empty:
+            continue
+        timed = comm["start_ms"].notna() & comm["end_ms"].notna()
+        spans = [sp for _, r in comm[timed].iterrows()
+                 for sp in exposed_spans(r, computes.get((r["phase"], int(r["step"]))))]
+        out[key] = union_ms(spans) + float(comm.loc[~timed, "exposed_ms"].fillna(0.0).sum())
+    return pd.Series(out, dtype=float).rename_axis(keys).rename("exposed_ms")
+
+
+def per_device(device_names) -> str:
+    """What a throughput is per: ``GPU`` when the rows ran on GPUs, else ``rank`` (CPU ranks)."""
+    return "GPU" if any(str(n) not in ("", "cpu") for n in device_names) else "rank"
+
+
+def flops_unit(tflops: float) -> tuple[float, str]:
+    """(scale, unit) that shows ``tflops`` (TFLOP/s) with a few digits: a CPU run in GFLOP/s."""
+    for scale, unit in ((1.0, "TFLOP/s"), (1e3, "GFLOP/s"), (1e6, "MFLOP/s")):
+        if tflops * scale >= 1.0:
+            return scale, unit
+    return 1e6, "MFLOP/s"
+
+
+def flops_text(tflops: float, per: str = "GPU") -> str:
+    """``tflops`` in the unit that fits, per GPU or per rank: ``3.2 GFLOP/s per rank``."""
+    if tflops != tflops:
+        return f"FLOP/s per {per} unknown (no flops column)"
+    scale, unit = flops_unit(tflops)
+    value = tflops * scale
+    return f"{value:.3g} {unit} per {per}" if value < 1e3 else f"{value:.0f} {unit} per {per}"
 
 
 def rank_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -244,7 +315,7 @@ def summarize(df: pd.DataFrame, console) -> None:
     for _, row in its.iterrows():
         key = case_key(row)
         title = (f"{label(row)}: {row['phase']} {row['wall_ms']:.3f} ms/iter (slowest rank), "
-                 f"{row['tflops_per_gpu']:.1f} TFLOP/s per GPU, exposed comm {row['exposed_pct']:.1f}%")
+                 f"{flops_text(row['tflops_per_gpu'], row['per'])}, exposed comm {row['exposed_pct']:.1f}%")
         table = Table(title=Text(title))
         sel = select(steps, key)
         if not sel.empty and row["phase"] != "fwdbwd":
