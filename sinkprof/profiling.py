@@ -173,15 +173,16 @@ def installed(probe):
 
 
 def overlap_rows(rows: list[dict]) -> list[dict]:
-    """Add ``overlap_ms`` and ``exposed_ms`` to communication rows: the part of an exchange that
-    ran while its step computed, and the rest (communication nobody hid)."""
-    compute = {(r["phase"], r["step"]): r for r in rows if r["kind"] == "compute"}
+    """Add ``overlap_ms`` and ``exposed_ms`` to communication rows (one rank, one iteration): the
+    part of an exchange that ran while the rank computed, any step of its phase (K/V posted in
+    step i overlaps step i; dK/dV posted after step i overlaps step i+1), and the rest
+    (communication nobody hid). The compute of one rank is one stream, so its steps never overlap
+    each other and the sum of the intersections is the overlap."""
+    compute = [r for r in rows if r["kind"] == "compute"]
     for r in rows:
         if r["kind"] in ("kv", "dkv", "a2a"):
-            c = compute.get((r["phase"], r["step"]))
-            ov = 0.0
-            if c is not None:
-                ov = max(0.0, min(r["end_ms"], c["end_ms"]) - max(r["start_ms"], c["start_ms"]))
+            ov = sum(max(0.0, min(r["end_ms"], c["end_ms"]) - max(r["start_ms"], c["start_ms"]))
+                     for c in compute if c["phase"] == r["phase"])
             r["overlap_ms"] = ov
             r["exposed_ms"] = max(0.0, r["dur_ms"] - ov)
     return rows

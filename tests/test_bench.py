@@ -179,3 +179,18 @@ def test_the_csv_records_the_full_commit_hash():
     from sinkprof.tool.bench import _git_sha
     sha = _git_sha()
     assert sha == "unknown" or re.fullmatch(r"[0-9a-f]{40}", sha)
+
+
+def test_a_dkv_exchange_hides_under_the_next_steps_compute():
+    """dK/dV posted after step 0 runs while step 1 computes: overlapped, not exposed; a K/V
+    exchange that outlasts its step's compute is exposed for the rest."""
+    from sinkprof.profiling import overlap_rows
+
+    def row(kind, step, start, end, phase="bwd"):
+        return dict(phase=phase, step=step, kind=kind, start_ms=start, end_ms=end, dur_ms=end - start)
+    rows = overlap_rows([row("compute", 0, 0.0, 10.0), row("compute", 1, 12.0, 20.0),
+                         row("kv", 0, 1.0, 12.0), row("dkv", 0, 10.5, 18.0),
+                         row("compute", 0, 30.0, 40.0, phase="fwd")])
+    kv, dkv = rows[2], rows[3]
+    assert kv["overlap_ms"] == 9.0 and kv["exposed_ms"] == 2.0          # hidden under step 0 only
+    assert dkv["overlap_ms"] == 6.0 and dkv["exposed_ms"] == 1.5        # 10.5-12 waits, 12-18 under step 1
