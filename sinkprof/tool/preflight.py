@@ -87,14 +87,15 @@ def check_fault(fault: Optional[Fault], groups: list) -> None:
 
 def host_available() -> int:
     """Bytes of host memory available now (MemAvailable), or the physical memory if unknown."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except OSError:   # no /proc (not Linux): the physical memory
+        return physical
+    return physical
 
 
 def device_available() -> Optional[int]:
