@@ -5,10 +5,10 @@
 #   device run, carry [".whl-a"]:         mkdir -p /tmp/wheels && cp .whl-a/* /tmp/wheels/
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
-# Steps: tests check kernels bench (default: all). Each step's log lands in $OUT (at most 8 files
+# Steps: tests check window scale bench kernels rings (default: tests check window scale bench). Each step's log lands in $OUT (at most 8 files
 # come back, so the step logs are also packed into $OUT/results.tgz).
 set -u
-what=" ${*:-tests check kernels bench} "
+what=" ${*:-tests check window scale bench} "
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 # FA4 compiles each kernel variant on first use; keep them on disk so every rank process reuses them
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
@@ -32,23 +32,36 @@ if [[ $what == *" tests "* ]]; then
   run gpu_tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
 fi
 if [[ $what == *" check "* ]]; then
-  for backend in fa4 cudnn; do
-    run check_${backend}_cp2 240 $SP check --device cuda --backend $backend --ranks 2 --comm p2p,a2a,a2a+p2p \
-        --softmax all --mask all --dtype bf16,fp16 --sink-strategy all --sink-grad all --batch 2 --seq-len 2048 --heads 8 --kv-heads 2 \
-        --head-dim 64 --format json --output "$OUT/check_${backend}_cp2.json"
-  done
-  run check_fa4_cp4 300 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a,a2a+p2p --softmax all \
+  run check_fa4_cp4 240 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a,a2a+p2p --softmax all \
       --mask all --dtype bf16,fp16 --sink-strategy all --sink-grad all --batch 2 --seq-len 2048 --heads 8 --kv-heads 4 --head-dim 64 \
       --format json --output "$OUT/check_fa4_cp4.json"
-  run check_fa4_cp4_window 200 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a+p2p --softmax all \
-      --mask causal --window 127,0 --dtype bf16 --sink-strategy all --sink-grad all --batch 2 --seq-len 2048 --heads 8 --kv-heads 4 \
-      --head-dim 64 --format json --output "$OUT/check_fa4_cp4_window.json"
+fi
+if [[ $what == *" window "* ]]; then
+  run check_fa4_cp4_window 150 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a+p2p --softmax all \
+      --mask causal --window 127,0 --kv-schedule all --dtype bf16 --sink-strategy all --sink-grad full --batch 2 --seq-len 2048 \
+      --heads 8 --kv-heads 4 --head-dim 64 --format json --output "$OUT/check_fa4_cp4_window.json"
+fi
+if [[ $what == *" scale "* ]]; then   # check at the lengths people train at (the README quotes the times)
+  for s in 32768 131072; do
+    run check_scale_$s 200 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p --softmax learnable --mask causal \
+        --dtype bf16 --batch 1 --seq-len $s --heads 8 --kv-heads 2 --head-dim 64 --format json --output "$OUT/check_scale_$s.json"
+  done
+fi
+if [[ $what == *" bench "* ]]; then
+  # plan-driven communication: the windowed layer's K/V rows shrink with --kv-schedule direct
+  run bench_window 200 $SP bench --profile gpt-oss-120b --ranks 4 --seq-len 32768 --kv-schedule ring,direct --warmup 2 \
+      --iters 5 --csv "$OUT/bench_window.csv"
+  run report_window 60 $SP report "$OUT/bench_window.csv"
+  run bench_te_cp2 120 $SP bench --profile te-sink --ranks 2 --warmup 2 --iters 5 --csv "$OUT/bench_te_cp2.csv"
+  run report_te 60 $SP report "$OUT/bench_te_cp2.csv" --html "$OUT/te-sink-cp2.html" --plot "$OUT/te-plots"
+  # cluster-scale prediction from this GPU's compute: gpt-oss-120b at 128k, full causal and window-128 layers
+  run predict_gptoss 200 $SP bench --profile gpt-oss-120b --seq-len 131072 --simulate 8,16 --link h200-nvlink --warmup 2 \
+      --iters 5 --csv "$OUT/gptoss120b-128k-pred.csv"
+  run report_predict 60 $SP report "$OUT/gptoss120b-128k-pred.csv"
 fi
 if [[ $what == *" kernels "* ]]; then
   run kernel_bench 540 python3 scripts/bench_kernels.py --profile-step --out "$OUT/kernel_bench.json"
 fi
-if [[ $what == *" bench "* ]]; then
-  run bench_te_cp2 150 $SP bench --profile te-sink --ranks 2 --warmup 2 --iters 5 --csv "$OUT/bench_te_cp2.csv" \
-      --trace "$OUT/trace"
-  run bench_te_sim 120 $SP bench --profile te-sink --simulate 2,4,8 --warmup 2 --iters 5 --csv "$OUT/bench_te_sim.csv"
+if [[ $what == *" rings "* ]]; then
+  run ring_bench 300 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4,8;gpt-oss:8" --out "$OUT/ring_bench.json"
 fi
