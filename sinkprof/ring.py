@@ -53,6 +53,31 @@ def _held_index(step: Step, device) -> torch.Tensor:
         torch.zeros(0, dtype=torch.int64, device=device)
 
 
+def _arrived(held, sent) -> list[tuple[int, int, int]]:
+    """(buffer row, owner row, rows) of every piece of the owner's rows in ``sent`` that lies in
+    ``held`` (buffer order)."""
+    out, at = [], 0
+    for h in held:
+        for part in sent:
+            lo, hi = max(part.start, h.start), min(part.stop, h.stop)
+            if lo < hi:
+                out.append((at + lo - h.start, lo, hi - lo))
+        at += h.stop - h.start
+    return sorted(out)
+
+
+def _uncovered(rows: slice, pieces) -> list[slice]:
+    """The parts of ``rows`` (buffer rows) that no piece filled."""
+    gaps, at = [], rows.start
+    for start, _, n in pieces:
+        if start > at and at < rows.stop:
+            gaps.append(slice(at, min(start, rows.stop)))
+        at = max(at, start + n)
+    if at < rows.stop:
+        gaps.append(slice(at, rows.stop))
+    return gaps
+
+
 class LocalKV:
     """Every rank's K/V in memory: "communication" is indexing (the emulator, simulations).
 
@@ -72,22 +97,21 @@ class LocalKV:
             sent = faults.active.sent_rows(self.phase, step.index, step.kv_rank, self.reader, sent)
         if _whole(step, shard) and sent == step.held:
             return k, v
-        index = _held_index(step, k.device)
-        arrived = torch.zeros(shard, dtype=torch.bool, device=k.device)
-        for part in sent:
-            arrived[part] = True
-        filled = arrived[index]
+        pieces = _arrived(step.held, sent)   # (buffer row, owner row, rows), worked out on the host
         for t, tile in enumerate(step.tiles):
-            if tile.kv_rows.stop > len(index) or not bool(filled[tile.kv_rows].all()):
-                owner_rows = index[tile.kv_rows][~filled[tile.kv_rows]].tolist() if tile.kv_rows.stop <= len(index) \
-                    else f"{tile.kv_rows.start}..{tile.kv_rows.stop} of a {len(index)}-row buffer"
+            missing = _uncovered(tile.kv_rows, pieces)
+            if missing:   # the error path alone lists rows one by one
+                owner = [r for part in step.held for r in range(part.start, part.stop)]
+                rows = [owner[r] if r < len(owner) else f"buffer row {r}" for gap in missing
+                        for r in range(gap.start, gap.stop)]
                 raise MissingRows(f"rank {self.reader} {self.phase} step {step.index} tile {t} reads K/V rows "
-                                  f"{owner_rows} of rank {step.kv_rank}'s shard, which were not sent "
+                                  f"{rows} of rank {step.kv_rank}'s shard, which were not sent "
                                   f"(sent {[(p.start, p.stop) for p in sent]})")
         out = []
-        for x in (k, v):
-            buf = torch.full((*x.shape[:2], len(index), x.shape[3]), float("nan"), dtype=x.dtype, device=x.device)
-            buf[:, :, filled] = x[:, :, index[filled]]
+        for x in (k, v):   # no host sync: a CUDA graph can capture this
+            buf = torch.full((*x.shape[:2], step.held_rows, x.shape[3]), float("nan"), dtype=x.dtype, device=x.device)
+            for at, src, n in pieces:
+                buf[:, :, at:at + n] = x[:, :, src:src + n]
             out.append(buf)
         return out[0], out[1]
 
