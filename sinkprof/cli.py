@@ -202,7 +202,8 @@ def bench(
     check_writable(csv_path, "--csv")
     check_folder(trace, "--trace")
     preflight.check_fault(fault, groups)
-    preflight.check_memory(groups, groups[0].ranks, groups[0].device, reference=False)
+    preflight.check_memory(groups, min(sims) if sims else groups[0].ranks, groups[0].device, reference=False,
+                           procs=1 if sims else None)
     if sims:
         import torch
         raise typer.Exit(run_simulation(groups, opts, torch.device(groups[0].device)))

@@ -146,6 +146,20 @@ def test_memory_estimate_is_linear_without_a_bias_and_refuses_what_does_not_fit(
         preflight.check_memory([base], 2, "cuda", True, host_free=64 * 2 ** 30, device_free=2 ** 20)
 
 
+def test_flash_tiles_keep_the_device_estimate_linear_and_a_simulation_is_one_process():
+    base = Settings(softmax=("vanilla",), mask=("causal",), dtype=("bf16",), seq_len=2 ** 15, ranks=4)
+    big = Settings(softmax=("vanilla",), mask=("causal",), dtype=("bf16",), seq_len=2 ** 17, ranks=4)
+    flash = [preflight.case_need(expand(s)[0], 4, False, tile_scores=False)[1] for s in (base, big)]
+    torch_tiles = [preflight.case_need(expand(s)[0], 4, False, tile_scores=True)[1] for s in (base, big)]
+    assert flash[1] == 4 * flash[0]                   # cuDNN and FA4 tiles hold no scores: linear
+    assert torch_tiles[1] > 10 * torch_tiles[0]       # the torch tiles' scores: quadratic in the chunk
+    # bench --simulate 8: one process replays every rank on the device, each rank a ring of 8's shard
+    one = preflight.case_need(expand(big)[0], 8, False)[1]
+    preflight.check_memory([big], 8, "cpu", False, procs=1, host_free=int(1.5 * one) + 2 ** 30)
+    with pytest.raises(ValueError, match=r"x 8 rank"):
+        preflight.check_memory([big], 8, "cpu", False, host_free=int(1.5 * one) + 2 ** 30)
+
+
 def test_every_fault_applies_to_the_case_that_would_show_it():
     learnable = Settings(softmax=("learnable",), comm=("a2a",), ranks=2)
     cases = expand(learnable)

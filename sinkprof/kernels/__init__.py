@@ -14,7 +14,8 @@ from ..options import Backend
 from .base import BackendUnavailable, TileGrads, TileKernel
 from .torch_tiles import TorchTiles
 
-__all__ = ["BackendUnavailable", "TileGrads", "TileKernel", "TorchTiles", "get_kernel", "unavailable_reason"]
+__all__ = ["BackendUnavailable", "TileGrads", "TileKernel", "TorchTiles", "get_kernel", "resolve_backend",
+           "unavailable_reason"]
 
 _kernels: dict = {}
 
@@ -36,8 +37,10 @@ def unavailable_reason(backend: Backend, device) -> Optional[str]:
     return why(device)
 
 
-def _resolve(backend: Backend, device: torch.device) -> Backend:
-    """``auto``: fa4 where it runs (sm90/sm100), else cudnn, else torch."""
+def resolve_backend(backend, device) -> Backend:
+    """The backend ``backend`` runs as on ``device``; ``auto``: fa4 where it runs (sm90/sm100), else
+    cudnn, else torch."""
+    backend, device = Backend.parse(backend, "backend"), torch.device(device)
     if backend is not Backend.AUTO:
         return backend
     for candidate in (Backend.FA4, Backend.CUDNN):
@@ -51,7 +54,7 @@ def get_kernel(backend: Backend, device) -> TileKernel:
     raises ``BackendUnavailable`` with the reason. One instance per (backend, device index)."""
     backend = Backend.parse(backend, "backend")
     device = torch.device(device)
-    backend = _resolve(backend, device)
+    backend = resolve_backend(backend, device)
     if backend is Backend.TORCH:
         return TorchTiles()
     reason = unavailable_reason(backend, device)

@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 
 from ..faults import RANK_FAILURES, Fault
-from ..options import DTYPES, CommType, KVSchedule, SoftmaxType, accum_dtype
+from ..kernels import resolve_backend
+from ..options import DTYPES, Backend, CommType, KVSchedule, SoftmaxType, accum_dtype
 from .cases import Case, expand
 
 GIB = 2 ** 30
@@ -105,13 +106,15 @@ def device_available() -> Optional[int]:
     return min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
 
 
-def case_need(case: Case, ranks: int, reference: bool) -> tuple[int, int]:
-    """(host, device) bytes one rank needs for ``case``, excluding its process overhead.
+def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True) -> tuple[int, int]:
+    """(host, device) bytes one rank needs for ``case`` on a ring of ``ranks``, excluding its
+    process overhead.
 
     Host: the full-sequence fp64 inputs and their rounded copy (``make_inputs``). Device (the
     host when the run is on the CPU): the reference's fp64 inputs, results and one score block,
-    and the CP run's shard, ring buffers, gradients and tile scores. A bias is ``[1, h, S, S]`` on
-    every rank: quadratic in the sequence whatever the algorithm.
+    and the CP run's shard, ring buffers, gradients and, with ``tile_scores`` (the torch tiles,
+    which hold a tile's scores; cuDNN and FA4 never do), a tile's scores. A bias is
+    ``[1, h, S, S]`` on every rank: quadratic in the sequence whatever the algorithm.
     """
     sh = case.shape
     elem = DTYPES[case.dtype].itemsize
@@ -126,19 +129,23 @@ def case_need(case: Case, ranks: int, reference: bool) -> tuple[int, int]:
     local = full // ranks
     chunk = max(1, sh.s // (2 * ranks))
     device += local * (elem * 4 + acc * 2) + (full + bias) * elem + bias * (elem + acc)
-    device += 3 * sh.b * sh.h * (2 * chunk) * chunk * acc     # a tile's scores, probabilities, gradient
+    if tile_scores or case.bias:    # bias tiles fall back to the torch tiles
+        device += 3 * sh.b * sh.h * (2 * chunk) * chunk * acc     # a tile's scores, probabilities, gradient
     return host, device
 
 
-def check_memory(groups: list, ranks: int, device: str, reference: bool,
+def check_memory(groups: list, ranks: int, device: str, reference: bool, procs: Optional[int] = None,
                  host_free: Optional[int] = None, device_free: Optional[int] = None) -> None:
-    """Refuse a run that cannot fit: the largest case's need per rank times the ranks on this host."""
-    local = min(ranks, int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
+    """Refuse a run that cannot fit: the largest case's need per rank of a ring of ``ranks``, times
+    the ``procs`` processes on this host (default: the ranks; ``bench --simulate`` runs one)."""
+    procs = ranks if procs is None else procs
+    local = min(procs, int(os.environ.get("LOCAL_WORLD_SIZE", procs)))
     host_need = dev_need = 0
     worst = None
     for settings in groups:
+        scores = resolve_backend(settings.backend, device) is Backend.TORCH
         for case in expand(settings):
-            h, d = case_need(case, settings.ranks, reference)
+            h, d = case_need(case, ranks, reference, scores)
             if device == "cpu":
                 h, d = h + d, 0
             if (h, d) > (host_need, dev_need):
