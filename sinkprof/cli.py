@@ -75,7 +75,9 @@ CASE_OPTIONS = [
     _option("a2a_size", Optional[int], None, "--a2a-size", help="Ranks per inner a2a group for a2a+p2p (default 2)."),
     _option("softmax", Optional[str], None, help="vanilla, off-by-one, learnable (comma list) or all."),
     _option("mask", Optional[str], None, help="causal, no_mask (comma list) or all."),
-    _option("qkv_format", Optional[str], None, "--qkv-format", help="bshd, sbhd (comma list) or all."),
+    _option("qkv_format", Optional[str], None, "--qkv-format",
+            help="bshd, sbhd, thd (comma list) or all. thd: one pack of documents, b = 1, no bias; its documents "
+                 "are --seqlens, or --docs random ones (default 3 random ones from --seed)."),
     _option("dtype", Optional[str], None, help="fp64, fp32, bf16, fp16 (comma list) or all."),
     _option("sink_strategy", Optional[str], None, "--sink-strategy", help="step0, post-merge or all."),
     _option("sink_grad", Optional[str], None, "--sink-grad", help="full, partial or all."),
@@ -83,8 +85,15 @@ CASE_OPTIONS = [
             help="How the ring moves K/V: auto (fewer bytes), ring, direct (comma list) or all."),
     _option("window", Optional[str], None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
     _option("bias", Optional[bool], None, "--bias/--no-bias", help="Add a learnable [1, h, S, S] bias."),
-    _option("batch", Optional[int], None, "--batch", help="Batch."),
-    _option("seq_len", Optional[int], None, "--seq-len", help="Full sequence length (divisible by 2 * cp)."),
+    _option("batch", Optional[int], None, "--batch", help="Batch of the bshd and sbhd cases (thd: b = 1)."),
+    _option("seq_len", Optional[int], None, "--seq-len", help="Full sequence length (divisible by 2 * cp); "
+                                                               "thd: the pack's length."),
+    _option("seqlens", Optional[str], None, "--seqlens",
+            help="thd: the documents' lengths, e.g. 96,160,256, each a multiple of 2 * cp; their sum is the "
+                 "pack (it sets --seq-len)."),
+    _option("docs", Optional[int], None, "--docs",
+            help="thd: this many documents of random lengths from --seed (each a multiple of 2 * cp), summing "
+                 "to --seq-len."),
     _option("heads", Optional[int], None, "--heads", help="Query heads."),
     _option("kv_heads", Optional[int], None, "--kv-heads", help="K/V heads (heads % kv-heads == 0)."),
     _option("head_dim", Optional[int], None, "--head-dim", help="Head dim."),
@@ -140,7 +149,7 @@ def check(
     inject: Optional[str] = typer.Option(None, help="Inject a bug to prove the check fails: sink-every-tile, "
                                                     "no-sink-reduce, aliased-reference, vanilla-fallback, "
                                                     "skip-sink-slice, drop-halo (with --kv-schedule direct), "
-                                                    "stall, crash."),
+                                                    "doc-leak (thd, two documents or more), stall, crash."),
     fmt: str = FORMAT,
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report here (whole file)."),
 ):
@@ -198,7 +207,7 @@ def bench(
     fault = Fault.parse(inject, "--inject") if inject else None
     opts = BenchOptions(warmup, iters, phase, csv_path, trace, use_nvtx, sims, fault, case.timeout,
                         parse_link(link, "--link") if link is not None else None)
-    groups = settings_for(case, ranks=1) if sims else settings_for(case)
+    groups = settings_for(case, ranks=1, cps=sims) if sims else settings_for(case)
     check_writable(csv_path, "--csv")
     check_folder(trace, "--trace")
     preflight.check_fault(fault, groups)
