@@ -232,8 +232,16 @@ def emulate(
     window: Optional[str] = typer.Option(None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
     kv_schedule: str = typer.Option("all", "--kv-schedule", help="K/V schedules to replay: ring, direct, auto "
                                                                  "(comma list) or all (ring and direct)."),
-    batch: int = typer.Option(2, "--batch", min=1, help="Batch."),
-    seq_len: int = typer.Option(64, "--seq-len", min=2, help="Full sequence length (divisible by 2 * every cp)."),
+    qkv_format: str = typer.Option("bshd", "--qkv-format", help="bshd, sbhd, thd (comma list) or all. thd: one pack "
+                                                                 "of documents, b = 1: --seqlens, or --docs random "
+                                                                 "ones (default 3)."),
+    seqlens: Optional[str] = typer.Option(None, "--seqlens", help="thd: the documents' lengths, e.g. 32,64,32, each "
+                                                                  "a multiple of 2 * every cp (sets --seq-len)."),
+    docs: Optional[int] = typer.Option(None, "--docs", help="thd: this many documents of random lengths from --seed, "
+                                                            "summing to --seq-len."),
+    batch: Optional[int] = typer.Option(None, "--batch", min=1, help="Batch of bshd and sbhd (default 2; thd: 1)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2,
+                                          help="Full sequence length (divisible by 2 * every cp; default 64)."),
     heads: int = typer.Option(4, "--heads", min=1, help="Query heads."),
     kv_heads: int = typer.Option(2, "--kv-heads", min=1, help="K/V heads (heads % kv-heads == 0)."),
     head_dim: int = typer.Option(16, "--head-dim", min=1, help="Head dim."),
@@ -245,10 +253,15 @@ def emulate(
 
     Exit 0 when step0 and post-merge match to 1e-12 and the every-tile bug is detected, else 1.
     """
+    from .options import QKVFormat
     from .testing import Shape
-    from .tool.emulate import run
+    from .tool.cases import parse_seqlens
+    from .tool.emulate import pack, run
 
     cps = split_list(cp, "--cp", positive_int)
+    formats = split_list(qkv_format, "--qkv-format", QKVFormat.parse, allowed=[f.value for f in QKVFormat])
+    seq_len, batch, lengths = pack(formats, cps, seq_len=seq_len, batch=batch, docs=docs, seed=seed,
+                                   seqlens=None if seqlens is None else parse_seqlens(seqlens, "--seqlens"))
     masks = split_list(mask, "--mask", lambda v, option: v, allowed=[m.value for m in MaskType])
     strategies = split_list(strategy, "--strategy", SinkStrategy.parse, allowed=[x.value for x in SinkStrategy])
     schedules = split_list(kv_schedule, "--kv-schedule", KVSchedule.parse, allowed=[x.value for x in KVSchedule])
@@ -256,7 +269,7 @@ def emulate(
         schedules = [KVSchedule.RING, KVSchedule.DIRECT]
     check_writable(output, "--output")
     raise typer.Exit(run(cps, comm, a2a_size, masks, strategies, Shape(batch, seq_len, heads, kv_heads, head_dim),
-                         seed, window, Output(fmt, output), schedules))
+                         seed, window, Output(fmt, output), schedules, formats, lengths))
 
 
 @command()
