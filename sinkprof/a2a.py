@@ -7,6 +7,10 @@ rows are exactly the load-balanced shard of the group in a ring of groups: with 
 rows, group o holds outer chunks o and 2O-1-o of A*c rows each. So a2a is this re-layout around a
 one-rank "ring" (``SoloCommunicator``), and a2a+p2p is the same re-layout around a real ring of groups.
 
+A thd pack is cut per document (each document into 2W chunks, the local shard holding a chunk
+pair of every document, document after document): the re-layout is then the same, document by
+document, with each document's own chunk size (``chunks``: one per document, one for a sequence).
+
 Both functions are autograd-aware: the backward of one is the other.
 """
 from __future__ import annotations
@@ -16,36 +20,43 @@ import torch
 from .dist import Communicator
 
 
-def join_outer(pieces: list, seq_dim: int) -> torch.Tensor:
-    """The group's rows in outer-shard order from the members' local shards (inner rank order).
+def join_outer(pieces: list, seq_dim: int, chunks: tuple[int, ...]) -> torch.Tensor:
+    """The group's rows in outer-shard order from the members' local shards (inner rank order);
+    ``chunks``: the members' rows per chunk of each document.
 
     Member i's first chunk is world chunk oA+i, its second 2W-1-(oA+i): first halves ascend with
     i, second halves descend.
     """
-    c = pieces[0].shape[seq_dim] // 2
-    firsts = [p.narrow(seq_dim, 0, c) for p in pieces]
-    seconds = [p.narrow(seq_dim, c, c) for p in reversed(pieces)]
-    return torch.cat(firsts + seconds, dim=seq_dim)
+    parts, at = [], 0
+    for c in chunks:
+        parts += [p.narrow(seq_dim, at, c) for p in pieces]
+        parts += [p.narrow(seq_dim, at + c, c) for p in reversed(pieces)]
+        at += 2 * c
+    return torch.cat(parts, dim=seq_dim)
 
 
-def split_outer(y: torch.Tensor, members: int, seq_dim: int) -> list:
+def split_outer(y: torch.Tensor, members: int, seq_dim: int, chunks: tuple[int, ...]) -> list:
     """Inverse of ``join_outer``: member i's local shard rows out of the group's rows."""
-    half = y.shape[seq_dim] // 2
-    c = half // members
-    return [torch.cat([y.narrow(seq_dim, i * c, c), y.narrow(seq_dim, half + (members - 1 - i) * c, c)], dim=seq_dim)
-            for i in range(members)]
+    mine: list = [[] for _ in range(members)]
+    at = 0
+    for c in chunks:
+        half = members * c
+        for i in range(members):
+            mine[i] += [y.narrow(seq_dim, at + i * c, c), y.narrow(seq_dim, at + half + (members - 1 - i) * c, c)]
+        at += 2 * half
+    return [torch.cat(parts, dim=seq_dim) for parts in mine]
 
 
-def _scatter(x: torch.Tensor, comm: Communicator, seq_dim: int, head_dim: int, phase: str) -> torch.Tensor:
+def _scatter(x: torch.Tensor, comm: Communicator, seq_dim: int, head_dim: int, chunks, phase: str) -> torch.Tensor:
     a = comm.size
     inp = x.unflatten(head_dim, (a, x.shape[head_dim] // a)).movedim(head_dim, 0).contiguous()
     out = torch.empty_like(inp)
     comm.all_to_all(out, inp, phase, "a2a scatter heads")
-    return join_outer(list(out.unbind(0)), seq_dim)
+    return join_outer(list(out.unbind(0)), seq_dim, chunks)
 
 
-def _gather(y: torch.Tensor, comm: Communicator, seq_dim: int, head_dim: int, phase: str) -> torch.Tensor:
-    inp = torch.stack(split_outer(y, comm.size, seq_dim))
+def _gather(y: torch.Tensor, comm: Communicator, seq_dim: int, head_dim: int, chunks, phase: str) -> torch.Tensor:
+    inp = torch.stack(split_outer(y, comm.size, seq_dim, chunks))
     out = torch.empty_like(inp)
     comm.all_to_all(out, inp, phase, "a2a gather heads")
     return out.movedim(0, head_dim).flatten(head_dim, head_dim + 1)
@@ -55,23 +66,23 @@ class ScatterHeads(torch.autograd.Function):
     """Local shard, all heads -> the group's rows, this member's head group."""
 
     @staticmethod
-    def forward(ctx, x, comm, seq_dim, head_dim):
-        ctx.args = (comm, seq_dim, head_dim)
-        return _scatter(x, comm, seq_dim, head_dim, "fwd")
+    def forward(ctx, x, comm, seq_dim, head_dim, chunks):
+        ctx.args = (comm, seq_dim, head_dim, chunks)
+        return _scatter(x, comm, seq_dim, head_dim, chunks, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, *ctx.args, "bwd"), None, None, None
+        return _gather(grad, *ctx.args, "bwd"), None, None, None, None
 
 
 class GatherHeads(torch.autograd.Function):
     """The group's rows, this member's head group -> local shard, all heads."""
 
     @staticmethod
-    def forward(ctx, y, comm, seq_dim, head_dim):
-        ctx.args = (comm, seq_dim, head_dim)
-        return _gather(y, comm, seq_dim, head_dim, "fwd")
+    def forward(ctx, y, comm, seq_dim, head_dim, chunks):
+        ctx.args = (comm, seq_dim, head_dim, chunks)
+        return _gather(y, comm, seq_dim, head_dim, chunks, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter(grad, *ctx.args, "bwd"), None, None, None
+        return _scatter(grad, *ctx.args, "bwd"), None, None, None, None

@@ -75,7 +75,9 @@ CASE_OPTIONS = [
     _option("a2a_size", Optional[int], None, "--a2a-size", help="Ranks per inner a2a group for a2a+p2p (default 2)."),
     _option("softmax", Optional[str], None, help="vanilla, off-by-one, learnable (comma list) or all."),
     _option("mask", Optional[str], None, help="causal, no_mask (comma list) or all."),
-    _option("qkv_format", Optional[str], None, "--qkv-format", help="bshd, sbhd (comma list) or all."),
+    _option("qkv_format", Optional[str], None, "--qkv-format",
+            help="bshd, sbhd, thd (comma list) or all. thd: one pack of documents, b = 1, no bias; its documents "
+                 "are --seqlens, or --docs random ones (default 3 random ones from --seed)."),
     _option("dtype", Optional[str], None, help="fp64, fp32, bf16, fp16 (comma list) or all."),
     _option("sink_strategy", Optional[str], None, "--sink-strategy", help="step0, post-merge or all."),
     _option("sink_grad", Optional[str], None, "--sink-grad", help="full, partial or all."),
@@ -83,8 +85,15 @@ CASE_OPTIONS = [
             help="How the ring moves K/V: auto (fewer bytes), ring, direct (comma list) or all."),
     _option("window", Optional[str], None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
     _option("bias", Optional[bool], None, "--bias/--no-bias", help="Add a learnable [1, h, S, S] bias."),
-    _option("batch", Optional[int], None, "--batch", help="Batch."),
-    _option("seq_len", Optional[int], None, "--seq-len", help="Full sequence length (divisible by 2 * cp)."),
+    _option("batch", Optional[int], None, "--batch", help="Batch of the bshd and sbhd cases (thd: b = 1)."),
+    _option("seq_len", Optional[int], None, "--seq-len", help="Full sequence length (divisible by 2 * cp); "
+                                                               "thd: the pack's length."),
+    _option("seqlens", Optional[str], None, "--seqlens",
+            help="thd: the documents' lengths, e.g. 96,160,256, each a multiple of 2 * cp; their sum is the "
+                 "pack (it sets --seq-len)."),
+    _option("docs", Optional[int], None, "--docs",
+            help="thd: this many documents of random lengths from --seed (each a multiple of 2 * cp), summing "
+                 "to --seq-len."),
     _option("heads", Optional[int], None, "--heads", help="Query heads."),
     _option("kv_heads", Optional[int], None, "--kv-heads", help="K/V heads (heads % kv-heads == 0)."),
     _option("head_dim", Optional[int], None, "--head-dim", help="Head dim."),
@@ -140,7 +149,7 @@ def check(
     inject: Optional[str] = typer.Option(None, help="Inject a bug to prove the check fails: sink-every-tile, "
                                                     "no-sink-reduce, aliased-reference, vanilla-fallback, "
                                                     "skip-sink-slice, drop-halo (with --kv-schedule direct), "
-                                                    "stall, crash."),
+                                                    "doc-leak (thd, two documents or more), stall, crash."),
     fmt: str = FORMAT,
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report here (whole file)."),
 ):
@@ -198,7 +207,7 @@ def bench(
     fault = Fault.parse(inject, "--inject") if inject else None
     opts = BenchOptions(warmup, iters, phase, csv_path, trace, use_nvtx, sims, fault, case.timeout,
                         parse_link(link, "--link") if link is not None else None)
-    groups = settings_for(case, ranks=1) if sims else settings_for(case)
+    groups = settings_for(case, ranks=1, cps=sims) if sims else settings_for(case)
     check_writable(csv_path, "--csv")
     check_folder(trace, "--trace")
     preflight.check_fault(fault, groups)
@@ -224,8 +233,16 @@ def emulate(
     window: Optional[str] = typer.Option(None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
     kv_schedule: str = typer.Option("all", "--kv-schedule", help="K/V schedules to replay: ring, direct, auto "
                                                                  "(comma list) or all (ring and direct)."),
-    batch: int = typer.Option(2, "--batch", min=1, help="Batch."),
-    seq_len: int = typer.Option(64, "--seq-len", min=2, help="Full sequence length (divisible by 2 * every cp)."),
+    qkv_format: str = typer.Option("bshd", "--qkv-format", help="bshd, sbhd, thd (comma list) or all. thd: one pack "
+                                                                 "of documents, b = 1: --seqlens, or --docs random "
+                                                                 "ones (default 3)."),
+    seqlens: Optional[str] = typer.Option(None, "--seqlens", help="thd: the documents' lengths, e.g. 32,64,32, each "
+                                                                  "a multiple of 2 * every cp (sets --seq-len)."),
+    docs: Optional[int] = typer.Option(None, "--docs", help="thd: this many documents of random lengths from --seed, "
+                                                            "summing to --seq-len."),
+    batch: Optional[int] = typer.Option(None, "--batch", min=1, help="Batch of bshd and sbhd (default 2; thd: 1)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2,
+                                          help="Full sequence length (divisible by 2 * every cp; default 64)."),
     heads: int = typer.Option(4, "--heads", min=1, help="Query heads."),
     kv_heads: int = typer.Option(2, "--kv-heads", min=1, help="K/V heads (heads % kv-heads == 0)."),
     head_dim: int = typer.Option(16, "--head-dim", min=1, help="Head dim."),
@@ -237,10 +254,15 @@ def emulate(
 
     Exit 0 when step0 and post-merge match to 1e-12 and the every-tile bug is detected, else 1.
     """
+    from .options import QKVFormat
     from .testing import Shape
-    from .tool.emulate import run
+    from .tool.cases import parse_seqlens
+    from .tool.emulate import pack, run
 
     cps = split_list(cp, "--cp", positive_int)
+    formats = split_list(qkv_format, "--qkv-format", QKVFormat.parse, allowed=[f.value for f in QKVFormat])
+    seq_len, batch, lengths = pack(formats, cps, seq_len=seq_len, batch=batch, docs=docs, seed=seed,
+                                   seqlens=None if seqlens is None else parse_seqlens(seqlens, "--seqlens"))
     masks = split_list(mask, "--mask", lambda v, option: v, allowed=[m.value for m in MaskType])
     strategies = split_list(strategy, "--strategy", SinkStrategy.parse, allowed=[x.value for x in SinkStrategy])
     schedules = split_list(kv_schedule, "--kv-schedule", KVSchedule.parse, allowed=[x.value for x in KVSchedule])
@@ -248,7 +270,7 @@ def emulate(
         schedules = [KVSchedule.RING, KVSchedule.DIRECT]
     check_writable(output, "--output")
     raise typer.Exit(run(cps, comm, a2a_size, masks, strategies, Shape(batch, seq_len, heads, kv_heads, head_dim),
-                         seed, window, Output(fmt, output), schedules))
+                         seed, window, Output(fmt, output), schedules, formats, lengths))
 
 
 @command()

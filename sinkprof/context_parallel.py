@@ -15,8 +15,8 @@ from . import faults
 from .dist import DEFAULT_TIMEOUT_S, Communicator, SoloCommunicator
 from .hierarchical import CPGroups, hierarchical_attention, split_groups
 from .kernels import get_kernel
-from .options import (CommType, CPOptions, KVSchedule, SinkGrad, check_bias, check_heads, check_offset, check_qkv,
-                      check_scale, check_sink_strategy, make_spec)
+from .options import (CommType, CPOptions, KVSchedule, QKVFormat, SinkGrad, check_bias, check_docs, check_heads,
+                      check_offset, check_qkv, check_scale, check_sink_strategy, make_spec)
 
 _comms: dict = {}
 
@@ -34,7 +34,7 @@ def comm_for(group=None, timeout: float = DEFAULT_TIMEOUT_S) -> Communicator:
 def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softmax_type="vanilla",
                  mask="no_mask", window=None, bias=None, scale=None, qkv_format="bshd", backend="auto",
                  sink_strategy=None, sink_grad="full", a2a_size: Optional[int] = None,
-                 kv_schedule="auto", timeout: float = DEFAULT_TIMEOUT_S):
+                 kv_schedule="auto", cu_seqlens=None, timeout: float = DEFAULT_TIMEOUT_S):
     """Attention over a sequence split across the ranks of ``group`` (default: the world).
 
     q, k, v are this rank's load-balanced shards (``sinkprof.shard``: chunks r and 2cp-1-r);
@@ -58,13 +58,26 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     the owner; a sliding window moves halos only) or ``auto`` (whichever moves fewer bytes for
     this mask, window and cp; ``sinkprof.comm_bytes`` gives the bytes of each). It applies to the
     ring of p2p and a2a+p2p; plain a2a has none.
+
+    Packed documents: ``qkv_format="thd"`` with q, k, v ``[t, h, d]`` (this rank's shard of the
+    pack, ``sinkprof.shard(x, cp, rank, 0, cu_seqlens)``: chunks r and 2cp-1-r of every document)
+    and ``cu_seqlens``, the boundaries ``[0, end_0, ..., T]`` of the whole pack (the same on every
+    rank). Each document attends only to itself (mask and window per document, the sink once per
+    row); every document's length must be a multiple of ``2 * cp`` (``sinkprof.pad_pack``).
     """
-    spec = make_spec(softmax_type, mask, window, qkv_format)
+    spec = make_spec(softmax_type, mask, window, qkv_format, cu_seqlens)
     comm_type = CommType.parse(comm, "comm")
     strategy = None if sink_strategy is None else check_sink_strategy(sink_strategy)
     grad_contract = SinkGrad.parse(sink_grad, "sink_grad")
     schedule = KVSchedule.parse(kv_schedule, "kv_schedule")
     dims = check_qkv(q, k, v, spec.qkv_format)
+    thd = spec.qkv_format is QKVFormat.THD
+    if thd:   # a pack is one sequence of documents: b = 1, the same loops as bshd
+        if bias is not None:
+            raise ValueError("bias is not supported with qkv_format='thd' (a [1, h, T, T] bias over a pack defeats "
+                             "packing); use bshd or sbhd")
+        q, k, v = (x.unsqueeze(0) for x in (q, k, v))
+        spec = spec.batched()
     if dims.s_q != dims.s_kv:
         raise ValueError(f"q has {dims.s_q} local rows and k has {dims.s_kv}: CP self-attention needs equal shards")
     if dims.s_q % 2:
@@ -73,6 +86,8 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     check_offset(softmax_offset, spec.softmax_type, dims.h, q.device)
     groups = cp_groups(comm_type, group, a2a_size, timeout)
     world = groups.inner.size * groups.outer.size
+    check_docs(spec, dims.s_q, dims.s_kv, world)
+    spec.chunks(dims.s_q * world, world)   # every document splits into 2 * cp chunks
     full = dims.s_q * world
     check_bias(bias, dims.b, dims.h, full, full, q.device)
     check_heads(dims.h, dims.g, groups.inner.size)
@@ -83,7 +98,8 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
         softmax_offset = ReplicatedGrad.apply(_at_least_fp32(softmax_offset), groups, opts, "sink gradient all-reduce")
     if bias is not None:
         bias = ReplicatedGrad.apply(bias, groups, opts, "bias gradient all-reduce")
-    return hierarchical_attention(q, k, v, softmax_offset, bias, opts, groups)
+    out = hierarchical_attention(q, k, v, softmax_offset, bias, opts, groups)
+    return out.squeeze(0) if thd else out
 
 
 def _at_least_fp32(offset: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,15 @@ dK/dV are added into their owner's accumulators; the loops themselves are the di
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from . import faults
 from .a2a import join_outer
 from .kernels import TorchTiles
-from .options import AttnSpec, CPOptions, KVSchedule, SinkStrategy, accum_dtype, check_a2a_size, check_heads, check_scale
+from .options import AttnSpec, CPOptions, KVSchedule, QKVFormat, SinkStrategy, accum_dtype, check_a2a_size, check_heads, check_scale
 from .plan import global_rows, shard, unshard
 from .ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
 from .schedule import comm_schedule, row_bytes
@@ -32,9 +34,12 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
                  scale=None, kernel=None, kv_schedule="auto") -> EmulatedRing:
     """Run every rank's forward then backward tile schedule from the ring plan with the given tile
     kernel (default: the torch tiles), on the inputs' device, under the K/V schedule asked for."""
+    if spec.qkv_format is QKVFormat.THD:
+        run = emulate_ring(inputs.batched(), spec.batched(), cp, strategy, scale, kernel, kv_schedule)
+        return dataclasses.replace(run, result=run.result.unbatched())
     fmt, sd = spec.qkv_format, spec.qkv_format.seq_dim
     s = inputs.q.shape[sd]
-    chunk = s // (2 * cp)
+    chunks, cu = spec.chunks(s, cp), spec.cu_seqlens
     h, dim = inputs.q.shape[2], inputs.q.shape[3]
     opts = CPOptions(spec, check_scale(scale, dim), kernel or TorchTiles(), strategy)
     dev = inputs.q.device
@@ -43,16 +48,16 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
     ranks = range(cp)
 
     def shards(x):
-        return [shard(x, cp, r, sd) for r in ranks]
+        return [shard(x, cp, r, sd, cu) for r in ranks]
 
     def bhsd(xs):
         return [fmt.to_bhsd(x) for x in xs]
 
     qs, ks, vs, dos = (shards(x) for x in (inputs.q, inputs.k, inputs.v, inputs.grad_out))
     g, b = inputs.k.shape[2], inputs.q.shape[1 - sd]
-    schedule = comm_schedule(kv_schedule, cp, chunk, spec.band, *row_bytes(b, g, dim, inputs.q.dtype))
-    plans = schedule.plans
-    positions = [global_rows(cp, r, chunk, dev) for r in ranks]
+    schedule = comm_schedule(kv_schedule, cp, chunks, spec.band, *row_bytes(b, g, dim, inputs.q.dtype))
+    plans = [faults.active.ring_plan(plan) for plan in schedule.plans]
+    positions = [global_rows(cp, r, chunks, dev) for r in ranks]
     biases = [BiasTiles(inputs.bias, plans[r], positions[r], positions, acc) if inputs.bias is not None else None
               for r in ranks]
 
@@ -60,7 +65,7 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
     for r in ranks:
         # NaN-filled: a row the plan forgets to write (or reads before writing) shows in the result
         o_acc = torch.full(qs[r].shape, float("nan"), dtype=acc, device=dev) if plans[r].accumulates else None
-        lse = torch.full((qs[r].shape[1 - sd], h, 2 * chunk), float("nan"), dtype=acc, device=dev)
+        lse = torch.full((qs[r].shape[1 - sd], h, qs[r].shape[sd]), float("nan"), dtype=acc, device=dev)
         out = torch.full_like(qs[r], float("nan"))
         run_forward(plans[r], LocalKV(bhsd(ks), bhsd(vs), schedule, r, "fwd"),
                     state=ForwardState(fmt.to_bhsd(qs[r]), None if o_acc is None else fmt.to_bhsd(o_acc), lse,
@@ -81,8 +86,8 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
                                   bias=biases[r], opts=opts))
     d_offset = torch.stack(parts).sum(0) if inputs.offset is not None else None
     d_bias = torch.stack([b.grad for b in biases]).sum(0) if inputs.bias is not None else None
-    result = Result(unshard(outs, sd), unshard(dqs, sd), unshard(dks, sd), unshard(dvs, sd), d_offset, d_bias,
-                    unshard(lses, 2))
+    result = Result(unshard(outs, sd, cu), unshard(dqs, sd, cu), unshard(dks, sd, cu), unshard(dvs, sd, cu), d_offset,
+                    d_bias, unshard(lses, 2, cu))
     return EmulatedRing(result, parts, schedule.kind)
 
 
@@ -91,16 +96,20 @@ def emulate_hierarchical(inputs: Inputs, spec: AttnSpec, world: int, a2a_size: i
     """a2a+p2p in one process: the a2a re-layout is indexing (``join_outer`` of the inner group's
     shards, the same function the distributed a2a uses), then one ring over the outer groups per
     inner head group. ``world`` ranks, inner groups of ``a2a_size``."""
+    if spec.qkv_format is QKVFormat.THD:
+        run = emulate_hierarchical(inputs.batched(), spec.batched(), world, a2a_size, strategy, scale, kv_schedule)
+        return dataclasses.replace(run, result=run.result.unbatched())
     check_a2a_size(a2a_size, world)
     outer = world // a2a_size
     h, g = inputs.q.shape[2], inputs.k.shape[2]
     check_heads(h, g, a2a_size)
-    sd = spec.qkv_format.seq_dim
+    sd, cu = spec.qkv_format.seq_dim, spec.cu_seqlens
+    chunks = spec.chunks(inputs.q.shape[sd], world)
     for x in (inputs.q, inputs.k):  # the re-layout lands every group on its outer load-balanced shard
         for o in range(outer):
-            joined = join_outer([shard(x, world, o * a2a_size + m, sd)
-                                 for m in range(a2a_size)], sd)
-            if not torch.equal(joined, shard(x, outer, o, sd)):
+            joined = join_outer([shard(x, world, o * a2a_size + m, sd, cu)
+                                 for m in range(a2a_size)], sd, chunks)
+            if not torch.equal(joined, shard(x, outer, o, sd, cu)):
                 raise AssertionError(f"a2a re-layout of group {o} is not its outer shard")
     runs = []
     for i in range(a2a_size):

@@ -10,11 +10,13 @@ swaps in an ``Injected`` fault for the duration of a block (the same pattern as
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from typing import Optional
 
 from .options import SinkStrategy, _Choice
+from .plan import RankPlan
 
 
 class Fault(_Choice):
@@ -26,6 +28,7 @@ class Fault(_Choice):
     VANILLA_FALLBACK = "vanilla-fallback"    # the tiles drop the softmax type (TE's p2p bug)
     SKIP_SINK_SLICE = "skip-sink-slice"      # a2a gives every rank the first heads' sinks
     DROP_HALO = "drop-halo"                  # the direct schedule leaves one halo row out of a K/V message
+    DOC_LEAK = "doc-leak"                    # a thd tile also sees the keys of the document before its own
     STALL = "stall"                          # rank 1 stops answering in the forward ring
     CRASH = "crash"                          # rank 1 dies in the forward ring
 
@@ -54,6 +57,10 @@ class NoFault:
     def reduces_replicated_grads(self) -> bool:
         """Whether the ``full`` contract all-reduces the sink and bias gradients."""
         return True
+
+    def ring_plan(self, plan: RankPlan) -> RankPlan:
+        """The plan a rank's ring runs (forward and backward)."""
+        return plan
 
     def on_ring_step(self, rank: int, phase: str, step: int) -> None:
         """Called as a ring step's K/V is taken, before the next exchange is posted."""
@@ -85,6 +92,20 @@ class Injected(NoFault):
 
     def reduces_replicated_grads(self) -> bool:
         return self.fault is not Fault.NO_SINK_REDUCE
+
+    def ring_plan(self, plan: RankPlan) -> RankPlan:
+        # The packing bug: step 0's tile of the second document also reads the first document's
+        # keys (its K/V rows start where the first document's do, the band shifted to match).
+        if self.fault is not Fault.DOC_LEAK or len(plan.chunks) < 2:
+            return plan
+        step = plan.steps[0]
+        start = 2 * plan.chunks[0]           # the second document's first local row
+        tiles = list(step.tiles)
+        n, tile = next((n, t) for n, t in enumerate(tiles) if t.q_rows.start == start)
+        tiles[n] = dataclasses.replace(tile, kv_rows=slice(0, tile.kv_rows.stop),
+                                       band=tile.band.shifted(tile.kv_rows.start))
+        steps = (dataclasses.replace(step, tiles=tuple(tiles)),) + plan.steps[1:]
+        return dataclasses.replace(plan, steps=steps)
 
     def on_ring_step(self, rank: int, phase: str, step: int) -> None:
         if self.fault not in RANK_FAILURES or (rank, phase, step) != (1, "fwd", 0):

@@ -69,10 +69,12 @@ def hierarchical_attention(q, k, v, offset: Optional[torch.Tensor], bias: Option
         return P2PAttention.apply(q, k, v, offset, bias, opts, outer)
     per = h // members
     mine = slice(inner.rank * per, (inner.rank + 1) * per)
-    q_o = ScatterHeads.apply(q, inner, sd, hd)
-    kv_o = ScatterHeads.apply(torch.stack([k, v]), inner, sd + 1, hd + 1)
+    world = members * outer.size
+    chunks = opts.spec.chunks(q.shape[sd] * world, world)
+    q_o = ScatterHeads.apply(q, inner, sd, hd, chunks)
+    kv_o = ScatterHeads.apply(torch.stack([k, v]), inner, sd + 1, hd + 1, chunks)
     sink_heads = faults.active.sink_heads(mine, per)
     offset_o = offset[:, sink_heads] if offset is not None else None
     bias_o = bias[:, mine] if bias is not None and bias.shape[1] != 1 else bias
     out_o = P2PAttention.apply(q_o, kv_o[0], kv_o[1], offset_o, bias_o, opts, outer)
-    return GatherHeads.apply(out_o, inner, sd, hd)
+    return GatherHeads.apply(out_o, inner, sd, hd, chunks)

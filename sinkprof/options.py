@@ -5,7 +5,10 @@ here, once, with an error that names the argument and lists the accepted values.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
+import itertools
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,19 +48,31 @@ class MaskType(_Choice):
 
 
 class QKVFormat(_Choice):
+    """``bshd`` and ``sbhd`` hold ``b`` sequences; ``thd`` is one pack of documents ``[t, h, d]``
+    (``cu_seqlens`` says where each starts), handled as ``bshd`` with ``b = 1``."""
+
     BSHD = "bshd"
     SBHD = "sbhd"
+    THD = "thd"
 
     @property
     def seq_dim(self) -> int:
         return 1 if self is QKVFormat.BSHD else 0
 
+    @property
+    def layout(self) -> str:
+        return {"bshd": "[b, s, h, d]", "sbhd": "[s, b, h, d]", "thd": "[t, h, d]"}[self.value]
+
     def to_bhsd(self, x: torch.Tensor) -> torch.Tensor:
-        """A ``[b, h, s, d]`` view of a tensor in this format (no copy)."""
+        """A ``[b, h, s, d]`` view of a tensor in this format (no copy; ``b = 1`` for thd)."""
+        if self is QKVFormat.THD:
+            return x.permute(1, 0, 2).unsqueeze(0)
         return x.permute(0, 2, 1, 3) if self is QKVFormat.BSHD else x.permute(1, 2, 0, 3)
 
     def from_bhsd(self, x: torch.Tensor) -> torch.Tensor:
         """The inverse view of ``to_bhsd``."""
+        if self is QKVFormat.THD:
+            return x.squeeze(0).permute(1, 0, 2)
         return x.permute(0, 2, 1, 3) if self is QKVFormat.BSHD else x.permute(2, 0, 1, 3)
 
 
@@ -171,6 +186,35 @@ class AttnSpec:
     mask: MaskType = MaskType.NO_MASK
     window: tuple[Optional[int], Optional[int]] = (None, None)  # (left, right); None = unbounded
     qkv_format: QKVFormat = QKVFormat.BSHD
+    docs: tuple[int, ...] = ()      # thd: the length of each document of the pack, in order
+
+    @property
+    def cu_seqlens(self) -> Optional[list[int]]:
+        """The documents' boundaries ``[0, end_0, ..., t]``, or None without documents."""
+        return [0, *itertools.accumulate(self.docs)] if self.docs else None
+
+    def batched(self) -> "AttnSpec":
+        """The spec the loops run: a thd pack is one ``bshd`` sequence of ``b = 1`` (its documents kept)."""
+        return dataclasses.replace(self, qkv_format=QKVFormat.BSHD) if self.qkv_format is QKVFormat.THD else self
+
+    def chunks(self, s: int, cp: int) -> tuple[int, ...]:
+        """Rows per load-balanced chunk of each document for a ring of ``cp`` ranks: the sequence
+        of ``s`` rows is one document unless the spec has ``docs``."""
+        if cp < 1:
+            raise ValueError(f"cp_size={cp} must be >= 1")
+        if not self.docs:
+            if s % (2 * cp):
+                raise ValueError(f"sequence length {s} must be divisible by 2 * cp = {2 * cp} for the "
+                                 f"load-balanced layout; pad the sequence or choose another cp")
+            return (s // (2 * cp),)
+        odd = [(n, length) for n, length in enumerate(self.docs) if length % (2 * cp)]
+        if odd:
+            n, length = odd[0]
+            raise ValueError(f"document {n} has {length} tokens ({len(odd)} of {len(self.docs)} documents are not "
+                             f"multiples of 2 * cp = {2 * cp}): each document is cut into 2 * cp load-balanced "
+                             f"chunks; pad every document to a multiple of {2 * cp} with "
+                             f"sinkprof.pad_pack(x, cu_seqlens, {2 * cp})")
+        return tuple(length // (2 * cp) for length in self.docs)
 
     @property
     def band(self) -> Band:
@@ -205,10 +249,39 @@ def parse_window(window, mask: MaskType) -> tuple[Optional[int], Optional[int]]:
     return (None if left == -1 else left, None if right == -1 else right)
 
 
-def make_spec(softmax_type, mask, window, qkv_format) -> AttnSpec:
+def doc_lengths(cu_seqlens, arg: str = "cu_seqlens") -> tuple[int, ...]:
+    """Document lengths from ``cu_seqlens`` (``[0, end_0, end_1, ..., t]``, a 1-D integer tensor
+    or a sequence of ints, as FlashAttention and TransformerEngine take it)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+            raise ValueError(f"{arg} must be a 1-D integer tensor [0, end_0, ..., t], got "
+                             f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+        ends = [int(x) for x in cu_seqlens.tolist()]
+    else:
+        try:
+            ends = [operator.index(x) for x in cu_seqlens]
+        except TypeError:
+            raise ValueError(f"{arg}={cu_seqlens!r} must be a sequence of ints [0, end_0, ..., t]") from None
+    if len(ends) < 2 or ends[0] != 0:
+        raise ValueError(f"{arg}={ends} must start at 0 and hold one end per document: [0, end_0, ..., t]")
+    lengths = tuple(b - a for a, b in zip(ends, ends[1:]))
+    if min(lengths) < 1:
+        n = min(range(len(lengths)), key=lambda i: lengths[i])
+        raise ValueError(f"{arg}={ends} must increase strictly (document {n} has {lengths[n]} tokens)")
+    return lengths
+
+
+def make_spec(softmax_type, mask, window, qkv_format, cu_seqlens=None) -> AttnSpec:
     softmax_type = SoftmaxType.parse(softmax_type, "softmax_type")
     mask = MaskType.parse(mask, "mask")
-    return AttnSpec(softmax_type, mask, parse_window(window, mask), QKVFormat.parse(qkv_format, "qkv_format"))
+    fmt = QKVFormat.parse(qkv_format, "qkv_format")
+    if fmt is QKVFormat.THD and cu_seqlens is None:
+        raise ValueError("qkv_format='thd' needs cu_seqlens, the document boundaries [0, end_0, ..., t] of the pack")
+    if fmt is not QKVFormat.THD and cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens describes a pack of documents: use qkv_format='thd' with q of shape [t, h, d] "
+                         f"(qkv_format={fmt.value!r} holds whole sequences)")
+    docs = doc_lengths(cu_seqlens) if cu_seqlens is not None else ()
+    return AttnSpec(softmax_type, mask, parse_window(window, mask), fmt, docs)
 
 
 @dataclass(frozen=True)
@@ -224,15 +297,20 @@ class Dims:
 
 
 def check_qkv(q, k, v, fmt: QKVFormat) -> Dims:
-    """Validate q, k, v (``[b, s, h, d]`` or ``[s, b, h, d]``, GQA allowed) and return their sizes."""
+    """Validate q, k, v (``[b, s, h, d]``, ``[s, b, h, d]`` or ``[t, h, d]``, GQA allowed) and
+    return their sizes (``b = 1`` for thd)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            layout = "[b, s, h, d]" if fmt is QKVFormat.BSHD else "[s, b, h, d]"
-            raise ValueError(f"{name} must be 4-D {layout} for qkv_format={fmt.value!r}, got shape {tuple(x.shape)}")
+        want = 3 if fmt is QKVFormat.THD else 4
+        if x.dim() != want:
+            raise ValueError(f"{name} must be {want}-D {fmt.layout} for qkv_format={fmt.value!r}, "
+                             f"got shape {tuple(x.shape)}")
         if x.dtype not in DTYPE_NAMES:
             raise ValueError(f"{name}.dtype={x.dtype} is not supported; use one of {', '.join(DTYPES)}")
+    if fmt is QKVFormat.THD:
+        q, k, v = (x.unsqueeze(0) for x in (q, k, v))
+        fmt = QKVFormat.BSHD
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -252,6 +330,19 @@ def check_qkv(q, k, v, fmt: QKVFormat) -> Dims:
     if min(b, s_q, k.shape[sd], d) == 0:
         raise ValueError(f"q, k, v must not be empty, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     return Dims(b, s_q, k.shape[sd], h, g, d)
+
+
+def check_docs(spec: AttnSpec, s_q: int, s_kv: int, world: int = 1) -> None:
+    """A pack's ``cu_seqlens`` must end at its ``world * t`` tokens (thd self-attention)."""
+    if not spec.docs:
+        return
+    total = sum(spec.docs)
+    if s_q != s_kv:
+        raise ValueError(f"q has {s_q} tokens and k has {s_kv}: a thd pack is self-attention, q and k share cu_seqlens")
+    if total != s_q * world:
+        where = f"{s_q} tokens" if world == 1 else f"{world} ranks x {s_q} local tokens = {s_q * world}"
+        raise ValueError(f"cu_seqlens ends at {total} but the pack has {where}; cu_seqlens describes the whole pack "
+                         f"(every rank passes the same one)")
 
 
 def check_offset(offset, softmax_type: SoftmaxType, h: int, device) -> None:

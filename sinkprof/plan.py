@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from .options import Band, KVSchedule
+from .options import AttnSpec, Band, KVSchedule, doc_lengths
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class Step:
 class RankPlan:
     cp: int
     rank: int
-    chunk: int                 # rows per chunk; the local shard has 2 * chunk rows
+    chunks: tuple[int, ...]    # rows per chunk of each document; the local shard has 2 * sum(chunks) rows
     steps: tuple[Step, ...]
     alone: tuple[slice, ...] = ()   # rows that only their first tile sees: the output is that tile's
 
@@ -120,44 +120,95 @@ def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
-def global_rows(cp: int, rank: int, chunk: int, device=None) -> torch.Tensor:
-    """Global sequence position of each local row of ``rank``'s shard."""
+def as_chunks(chunk) -> tuple[int, ...]:
+    """Rows per chunk of each document: an int is one sequence (one document)."""
+    return (chunk,) if isinstance(chunk, int) else tuple(chunk)
+
+
+def global_rows(cp: int, rank: int, chunk, device=None) -> torch.Tensor:
+    """Global sequence position of each local row of ``rank``'s shard; ``chunk`` is the rows per
+    chunk, or a tuple of them, one per document of a pack (each document is cut into ``2 cp``
+    chunks and the local shard holds, document after document, its chunks r and 2cp-1-r)."""
     first, second = chunk_ids(cp, rank)
-    base = torch.arange(chunk, device=device)
-    return torch.cat([base + first * chunk, base + second * chunk])
+    parts, start = [], 0
+    for c in as_chunks(chunk):
+        base = torch.arange(c, device=device) + start
+        parts += [base + first * c, base + second * c]
+        start += 2 * cp * c
+    return torch.cat(parts)
 
 
-def _check_split(length: int, cp: int, what: str) -> None:
-    if cp < 1:
-        raise ValueError(f"cp_size={cp} must be >= 1")
-    if length % (2 * cp):
-        raise ValueError(f"{what} length {length} must be divisible by 2 * cp = {2 * cp} for the "
-                         f"load-balanced layout; pad the sequence or choose another cp")
+def _pack_spec(cu_seqlens, length: int, cp: int) -> tuple[int, ...]:
+    """Chunk sizes of a pack (or of one sequence) split over ``cp`` ranks, validated."""
+    docs = doc_lengths(cu_seqlens) if cu_seqlens is not None else ()
+    if docs and sum(docs) != length:
+        raise ValueError(f"cu_seqlens ends at {sum(docs)} but the tensor has {length} tokens along the sequence dim")
+    return AttnSpec(docs=docs).chunks(length, cp)
 
 
-def shard(x: torch.Tensor, cp_size: int, rank: int, seq_dim: int) -> torch.Tensor:
-    """Rank ``rank``'s load-balanced shard of a full-sequence tensor: chunks r and 2cp-1-r."""
+def shard(x: torch.Tensor, cp_size: int, rank: int, seq_dim: int, cu_seqlens=None) -> torch.Tensor:
+    """Rank ``rank``'s load-balanced shard of a full-sequence tensor: chunks r and 2cp-1-r (of
+    every document of a thd pack, given ``cu_seqlens``, document after document)."""
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank={rank} must be in [0, cp_size={cp_size})")
-    _check_split(x.shape[seq_dim], cp_size, "sequence")
-    chunks = x.chunk(2 * cp_size, dim=seq_dim)
-    first, second = chunk_ids(cp_size, rank)
-    return torch.cat([chunks[first], chunks[second]], dim=seq_dim)
+    chunks = _pack_spec(cu_seqlens, x.shape[seq_dim], cp_size)
+    if len(chunks) == 1:
+        parts = x.chunk(2 * cp_size, dim=seq_dim)
+        first, second = chunk_ids(cp_size, rank)
+        return torch.cat([parts[first], parts[second]], dim=seq_dim)
+    return x.index_select(seq_dim, global_rows(cp_size, rank, chunks, x.device))
 
 
-def unshard(shards, seq_dim: int) -> torch.Tensor:
-    """The full sequence from the shards of ranks 0..cp-1 (the inverse of ``shard``)."""
+def unshard(shards, seq_dim: int, cu_seqlens=None) -> torch.Tensor:
+    """The full sequence (or thd pack, given ``cu_seqlens``) from the shards of ranks 0..cp-1:
+    the inverse of ``shard``."""
     shards = list(shards)
     cp = len(shards)
     if cp == 0:
         raise ValueError("shards must hold one tensor per rank, got none")
-    halves: list[Optional[torch.Tensor]] = [None] * (2 * cp)
     for rank, part in enumerate(shards):
         if part.shape[seq_dim] % 2:
             raise ValueError(f"shard of rank {rank} has odd length {part.shape[seq_dim]} along dim {seq_dim}")
-        first, second = chunk_ids(cp, rank)
-        halves[first], halves[second] = part.chunk(2, dim=seq_dim)
-    return torch.cat(halves, dim=seq_dim)
+    if cu_seqlens is None:
+        halves: list[Optional[torch.Tensor]] = [None] * (2 * cp)
+        for rank, part in enumerate(shards):
+            first, second = chunk_ids(cp, rank)
+            halves[first], halves[second] = part.chunk(2, dim=seq_dim)
+        return torch.cat(halves, dim=seq_dim)
+    chunks = _pack_spec(cu_seqlens, sum(p.shape[seq_dim] for p in shards), cp)
+    joined = torch.cat(shards, dim=seq_dim)
+    where = torch.cat([global_rows(cp, r, chunks, joined.device) for r in range(cp)])
+    return joined.index_select(seq_dim, torch.argsort(where))
+
+
+def pad_pack(x: torch.Tensor, cu_seqlens, multiple: int, seq_dim: int = 0, value: float = 0.0):
+    """Pad every document of a thd pack at its end to a multiple of ``multiple`` tokens (``2 * cp``
+    for a load-balanced CP layout). Returns ``(padded, cu_seqlens_padded, real)``: the padded pack,
+    its document boundaries (an int32 tensor on x's device) and a bool mask over the padded tokens,
+    True for the real ones (``padded[real]`` along ``seq_dim`` is ``x``).
+
+    The pad tokens join the end of their document, after every real token: under a causal mask
+    (with or without a left window) no real row sees them, so the real rows' output and the
+    gradients of the real tokens are exact (give the pad rows a zero output gradient). Under
+    ``no_mask`` or a right window real rows would attend to them: pad such packs in the model."""
+    if multiple < 1:
+        raise ValueError(f"multiple={multiple} must be >= 1")
+    docs = doc_lengths(cu_seqlens)
+    if sum(docs) != x.shape[seq_dim]:
+        raise ValueError(f"cu_seqlens ends at {sum(docs)} but x has {x.shape[seq_dim]} tokens along dim {seq_dim}")
+    padded_docs = [-(-n // multiple) * multiple for n in docs]
+    real = torch.zeros(sum(padded_docs), dtype=torch.bool, device=x.device)
+    parts, start, at = [], 0, 0
+    for n, m in zip(docs, padded_docs):
+        parts.append(x.narrow(seq_dim, start, n))
+        if m > n:
+            shape = list(x.shape)
+            shape[seq_dim] = m - n
+            parts.append(x.new_full(shape, value))
+        real[at:at + n] = True
+        start, at = start + n, at + m
+    ends = torch.tensor([0, *itertools.accumulate(padded_docs)], dtype=torch.int32, device=x.device)
+    return torch.cat(parts, dim=seq_dim), ends, real
 
 
 def _normalized(band: Band, n_q: int, n_kv: int) -> Band:
@@ -216,17 +267,23 @@ def _visible_keys(kv_rows: slice, n_q: int, band: Band) -> tuple[slice, Band]:
     return trimmed, _normalized(band.shifted(-first), n_q, last - first + 1)
 
 
-def ring_plan(cp: int, rank: int, chunk: int, band: Band, kv_schedule=KVSchedule.RING) -> RankPlan:
+def ring_plan(cp: int, rank: int, chunk, band: Band, kv_schedule=KVSchedule.RING) -> RankPlan:
     """The forward tiles of every ring step of ``rank`` for a global visibility ``band``; under the
-    ``direct`` K/V schedule every step after step 0 holds only the rows it reads."""
+    ``direct`` K/V schedule every step after step 0 holds only the rows it reads. ``chunk`` is the
+    rows per chunk, or a tuple of them, one per document of a thd pack: documents see only
+    themselves, so a pack's plan is every document's own plan, side by side in the local shard."""
     kv_schedule = KVSchedule.parse(kv_schedule, "kv_schedule")
     if kv_schedule is KVSchedule.AUTO:
         raise ValueError("ring_plan needs a resolved kv_schedule ('ring' or 'direct'); "
                          "sinkprof.schedule.comm_schedule resolves 'auto'")
     if not 0 <= rank < cp:
         raise ValueError(f"rank={rank} must be in [0, cp={cp})")
-    if chunk < 1:
+    chunks = as_chunks(chunk)
+    if not chunks or min(chunks) < 1:
         raise ValueError(f"chunk={chunk} rows must be >= 1")
+    if len(chunks) > 1:
+        return _pack_plan(cp, rank, chunks, band, kv_schedule)
+    chunk = chunks[0]
     q_chunks = chunk_ids(cp, rank)
     steps = []
     sink_rows: set[int] = set()
@@ -253,7 +310,32 @@ def ring_plan(cp: int, rank: int, chunk: int, band: Band, kv_schedule=KVSchedule
     if sink_rows != {0, 1}:  # the diagonal is always visible, so step 0 covers every local row
         raise AssertionError(f"step 0 of rank {rank} does not cover every local row: {sink_rows}")
     steps, alone = _with_merges(steps, chunk)
-    return RankPlan(cp, rank, chunk, steps, alone)
+    return RankPlan(cp, rank, chunks, steps, alone)
+
+
+def _shift(rows: slice, offset: int) -> slice:
+    return slice(rows.start + offset, rows.stop + offset)
+
+
+def _pack_plan(cp: int, rank: int, chunks: tuple[int, ...], band: Band, kv_schedule: KVSchedule) -> RankPlan:
+    """Every document's plan (its rows at its offset in the local shard, the same offset in every
+    rank's shard), joined step by step; a document a step cannot see adds no tile and no row."""
+    docs = [ring_plan(cp, rank, c, band) for c in chunks]
+    offsets = [0, *itertools.accumulate(2 * c for c in chunks)]
+    steps = []
+    for i in range(cp):
+        tiles, reads = [], []
+        for plan, at in zip(docs, offsets):
+            step = plan.steps[i]
+            reads += [_shift(part, at) for part in step.reads]
+            tiles += [dataclasses.replace(t, q_rows=_shift(t.q_rows, at), kv_rows=_shift(t.kv_rows, at),
+                                          merges=tuple(dataclasses.replace(m, rows=_shift(m.rows, at))
+                                                       for m in t.merges))
+                      for t in step.tiles]
+        step = Step(i, (rank - i) % cp, tuple(tiles), _union(reads), (slice(0, offsets[-1]),))
+        steps.append(_packed(step) if kv_schedule is KVSchedule.DIRECT and i > 0 else step)
+    alone = _union(_shift(part, at) for plan, at in zip(docs, offsets) for part in plan.alone)
+    return RankPlan(cp, rank, chunks, tuple(steps), alone)
 
 
 def _packed(step: Step) -> Step:

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import torch
 
-from .options import (accum_dtype, check_bias, check_offset, check_qkv, check_scale, make_spec)
+from .options import (AttnSpec, QKVFormat, accum_dtype, check_bias, check_docs, check_offset, check_qkv, check_scale,
+                      make_spec)
 from .sink import sink_logits
 
 
+def doc_ids(spec: AttnSpec, device=None):
+    """The document of each token of a thd pack (``[t]``); None when the spec has no documents."""
+    if not spec.docs:
+        return None
+    return torch.repeat_interleave(torch.arange(len(spec.docs), device=device), torch.tensor(spec.docs, device=device))
+
+
 def attention(q, k, v, softmax_offset=None, *, softmax_type="vanilla", mask="no_mask", window=None,
-              bias=None, scale=None, qkv_format="bshd", return_lse=False):
+              bias=None, scale=None, qkv_format="bshd", cu_seqlens=None, return_lse=False):
     """Attention over the whole sequence on one device.
 
     q is ``[b, s, h, d]`` (bshd) or ``[s, b, h, d]`` (sbhd); k and v have ``g`` heads, ``h % g == 0``.
@@ -23,9 +31,19 @@ def attention(q, k, v, softmax_offset=None, *, softmax_type="vanilla", mask="no_
     query i when ``i - left <= j <= i + right``, -1 unbounded. ``bias`` is added after scaling.
     Returns ``out`` in q's layout and dtype, and with ``return_lse`` also ``lse`` ``[b, h, s_q]``
     (fp32, or fp64 for fp64 inputs; sink included).
+    ``qkv_format="thd"``: q, k, v are one pack ``[t, h, d]`` of documents whose boundaries
+    ``cu_seqlens`` gives (``[0, end_0, ..., t]``); each document attends only to itself, the mask
+    and window apply within it, and ``lse`` is ``[1, h, t]``.
     """
-    spec = make_spec(softmax_type, mask, window, qkv_format)
+    spec = make_spec(softmax_type, mask, window, qkv_format, cu_seqlens)
     dims = check_qkv(q, k, v, spec.qkv_format)
+    check_docs(spec, dims.s_q, dims.s_kv)
+    thd = spec.qkv_format is QKVFormat.THD
+    if thd:
+        if bias is not None:
+            raise ValueError("bias is not supported with qkv_format='thd'; use bshd or sbhd")
+        q, k, v = (x.unsqueeze(0) for x in (q, k, v))
+        spec = spec.batched()
     check_offset(softmax_offset, spec.softmax_type, dims.h, q.device)
     check_bias(bias, dims.b, dims.h, dims.s_q, dims.s_kv, q.device)
     scale = check_scale(scale, dims.d)
@@ -38,6 +56,10 @@ def attention(q, k, v, softmax_offset=None, *, softmax_type="vanilla", mask="no_
         scores = scores + bias.to(acc)
 
     visible = spec.band.mask(dims.s_q, dims.s_kv, q.device)
+    doc = doc_ids(spec, q.device)
+    if doc is not None:
+        same_doc = doc[:, None] == doc[None, :]
+        visible = same_doc if visible is None else visible & same_doc
     if visible is not None:
         # Rows with no visible key get harmless finite scores; their probabilities are zeroed below.
         row_any = visible.any(-1, keepdim=True)
@@ -54,4 +76,6 @@ def attention(q, k, v, softmax_offset=None, *, softmax_type="vanilla", mask="no_
         probs = probs * visible
     out = torch.einsum("bgrqk,bgkd->bgrqd", probs.unflatten(1, (dims.g, dims.h // dims.g)), vh)
     out = fmt.from_bhsd(out.flatten(1, 2)).to(q.dtype)
+    if thd:
+        out = out.squeeze(0)
     return (out, lse) if return_lse else out

@@ -492,11 +492,13 @@ def kv_movers(schedule: CommSchedule, comm, k: torch.Tensor, v: torch.Tensor, fm
     return kv if acc is None else (kv, DirectDKV(comm, k.shape, acc, k.device, fmt, schedule))
 
 
-def schedule_for(opts: CPOptions, comm, k: torch.Tensor, chunk: int) -> CommSchedule:
-    """The communication schedule of this call: ``opts.kv_schedule`` for a ring of ``comm.size``."""
+def schedule_for(opts: CPOptions, comm, k: torch.Tensor) -> CommSchedule:
+    """The communication schedule of this call: ``opts.kv_schedule`` for a ring of ``comm.size``
+    over this rank's shard ``k`` (a thd pack's documents each have their own chunks)."""
     fmt = opts.spec.qkv_format
     kv_row, dkv_row = row_bytes(k.shape[1 - fmt.seq_dim], k.shape[2], k.shape[3], k.dtype)
-    return comm_schedule(opts.kv_schedule, comm.size, chunk, opts.spec.band, kv_row, dkv_row)
+    chunks = opts.spec.chunks(k.shape[fmt.seq_dim] * comm.size, comm.size)
+    return comm_schedule(opts.kv_schedule, comm.size, chunks, opts.spec.band, kv_row, dkv_row)
 
 
 class P2PAttention(torch.autograd.Function):
@@ -505,15 +507,14 @@ class P2PAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offset, bias, opts: CPOptions, comm):
         fmt = opts.spec.qkv_format
-        chunk = q.shape[fmt.seq_dim] // 2
-        schedule = schedule_for(opts, comm, k, chunk)
-        plan = schedule.plans[comm.rank]
+        schedule = schedule_for(opts, comm, k)
+        plan = faults.active.ring_plan(schedule.plans[comm.rank])
         acc = accum_dtype(q.dtype)
         h = q.shape[2]
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, h, q.device))
-        bias_tiles = _bias_tiles(bias, plan, comm.size, chunk, acc)
+        bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
         o_acc = torch.empty(q.shape, dtype=acc, device=q.device) if plan.accumulates else None
-        lse = torch.empty((q.shape[1 - fmt.seq_dim], h, 2 * chunk), dtype=acc, device=q.device)
+        lse = torch.empty((q.shape[1 - fmt.seq_dim], h, q.shape[fmt.seq_dim]), dtype=acc, device=q.device)
         out = torch.empty_like(q)
         run_forward(plan, kv_movers(schedule, comm, k, v, fmt, "fwd"),
                     state=ForwardState(fmt.to_bhsd(q), None if o_acc is None else fmt.to_bhsd(o_acc), lse,
@@ -527,11 +528,11 @@ class P2PAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, offset, bias = ctx.saved_tensors
         opts, comm, schedule = ctx.opts, ctx.comm, ctx.schedule
-        plan = schedule.plans[comm.rank]
+        plan = faults.active.ring_plan(schedule.plans[comm.rank])
         fmt = opts.spec.qkv_format
         acc = accum_dtype(q.dtype)
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device))
-        bias_tiles = _bias_tiles(bias, plan, comm.size, plan.chunk, acc)
+        bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
         dq = torch.empty(q.shape, dtype=acc, device=q.device)    # step 0 writes every row first
         kv, dkv = kv_movers(schedule, comm, k, v, fmt, "bwd", acc)
         d_sink = run_backward(plan, kv, dkv,
@@ -547,9 +548,9 @@ class P2PAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_offset, d_bias, None, None
 
 
-def _bias_tiles(bias, plan: RankPlan, cp: int, chunk: int, acc) -> Optional[BiasTiles]:
+def _bias_tiles(bias, plan: RankPlan, cp: int, acc) -> Optional[BiasTiles]:
     if bias is None:
         return None
     device = bias.device
-    positions = [global_rows(cp, r, chunk, device) for r in range(cp)]
+    positions = [global_rows(cp, r, plan.chunks, device) for r in range(cp)]
     return BiasTiles(bias, plan, positions[plan.rank], positions, acc)

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from .options import CommType, KVSchedule, accum_dtype, check_a2a_size, check_heads, make_spec
-from .plan import RankPlan, ring_plan, rows_in
+from .plan import RankPlan, as_chunks, ring_plan, rows_in
 
 PHASE_KINDS = (("fwd", "kv"), ("fwd", "a2a"), ("bwd", "kv"), ("bwd", "dkv"), ("bwd", "a2a"))
 
@@ -58,11 +58,12 @@ class Transfer:
 class CommSchedule:
     """Every rank's plan under one K/V schedule, and what moves between them."""
 
-    def __init__(self, kind: KVSchedule, cp: int, chunk: int, band):
+    def __init__(self, kind: KVSchedule, cp: int, chunk, band):
+        """``chunk``: rows per chunk, or a tuple of them, one per document of a thd pack."""
         if kind is KVSchedule.AUTO:
             raise ValueError("CommSchedule needs 'ring' or 'direct'; comm_schedule resolves 'auto'")
-        self.kind, self.cp, self.chunk, self.band = kind, cp, chunk, band
-        self.plans: tuple[RankPlan, ...] = tuple(ring_plan(cp, r, chunk, band, kind) for r in range(cp))
+        self.kind, self.cp, self.chunks, self.band = kind, cp, as_chunks(chunk), band
+        self.plans: tuple[RankPlan, ...] = tuple(ring_plan(cp, r, self.chunks, band, kind) for r in range(cp))
 
     def kv_rows(self, reader: int, step: int) -> tuple[slice, ...]:
         """Rows of rank ``(reader - step) % cp``'s shard that ``reader`` holds at ``step`` (the
@@ -88,7 +89,7 @@ class CommSchedule:
             if m_s or m_r:
                 out[key] = (m_s, b_s, m_r, b_r)
 
-        shard = 2 * self.chunk
+        shard = 2 * sum(self.chunks)
         if cp > 1 and self.kind is KVSchedule.RING:
             nxt, prev = (rank + 1) % cp, (rank - 1) % cp
             for phase in ("fwd", "bwd"):
@@ -122,9 +123,9 @@ def row_bytes(b: int, g: int, d: int, dtype: torch.dtype) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def comm_schedule(kv_schedule, cp: int, chunk: int, band, kv_row_bytes: int, dkv_row_bytes: int) -> CommSchedule:
+def comm_schedule(kv_schedule, cp: int, chunk, band, kv_row_bytes: int, dkv_row_bytes: int) -> CommSchedule:
     """The schedule asked for; ``auto`` is the one moving fewer bytes in all (ring on a tie).
-    Every rank computes the same answer from the same plan."""
+    Every rank computes the same answer from the same plan. ``chunk``: as ``CommSchedule`` takes it."""
     kind = KVSchedule.parse(kv_schedule, "kv_schedule")
     if kind is not KVSchedule.AUTO:
         return CommSchedule(kind, cp, chunk, band)
@@ -166,9 +167,9 @@ class CaseComm:
 
 
 def case_comm(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp: int, mask="no_mask", window=None,
-              comm="p2p", a2a_size: Optional[int] = None, kv_schedule="auto") -> CaseComm:
+              comm="p2p", a2a_size: Optional[int] = None, kv_schedule="auto", cu_seqlens=None) -> CaseComm:
     """The schedule and message sizes of one case (the arguments of ``comm_bytes``)."""
-    spec = make_spec("vanilla", mask, window, "bshd")
+    spec = make_spec("vanilla", mask, window, "bshd" if cu_seqlens is None else "thd", cu_seqlens)
     comm_type = CommType.parse(comm, "comm")
     members = {CommType.P2P: 1, CommType.A2A: cp}.get(comm_type, a2a_size)
     if members is None:
@@ -176,10 +177,11 @@ def case_comm(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp:
     check_a2a_size(members, cp)
     check_heads(h, g, members)
     ring_size = cp // members
-    if s % (2 * cp):
-        raise ValueError(f"s={s} must be divisible by 2 * cp = {2 * cp} (load-balanced chunks)")
+    if spec.docs and sum(spec.docs) != s:
+        raise ValueError(f"cu_seqlens ends at {sum(spec.docs)} but s={s}")
+    spec.chunks(s, cp)   # every document (the sequence) splits into 2 * cp chunks
     kv_row, dkv_row = row_bytes(b, g // members, d, dtype)
-    schedule = comm_schedule(kv_schedule, ring_size, s // (2 * ring_size), spec.band, kv_row, dkv_row) \
+    schedule = comm_schedule(kv_schedule, ring_size, spec.chunks(s, ring_size), spec.band, kv_row, dkv_row) \
         if ring_size > 1 else None
     size = torch.empty((), dtype=dtype).element_size()
     local = s // cp
@@ -188,16 +190,18 @@ def case_comm(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp:
 
 
 def comm_bytes(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp: int, mask="no_mask",
-               window=None, comm="p2p", a2a_size: Optional[int] = None, kv_schedule="auto") -> list[Transfer]:
+               window=None, comm="p2p", a2a_size: Optional[int] = None, kv_schedule="auto",
+               cu_seqlens=None) -> list[Transfer]:
     """Every message of one CP attention's forward and backward, from the plan alone (no process
     group): one ``Transfer`` per (rank, phase, step, kind, peer), ranks and peers numbered in
     the CP group. The arguments are ``cp_attention``'s words: ``s`` the full sequence, ``h`` query
     heads, ``g`` K/V heads, ``dtype`` of q, k, v (dK/dV travel in its accumulator dtype: fp32,
     fp64 for fp64). Under ``a2a+p2p`` the inner group of CP rank ``o * a2a_size + i`` is
     ``o * a2a_size ..``, its ring links the ranks ``j * a2a_size + i``.
-    ``sum(t.sent for t in comm_bytes(...) if t.rank == r)`` is what rank r sends in all."""
+    ``sum(t.sent for t in comm_bytes(...) if t.rank == r)`` is what rank r sends in all. A thd
+    pack of ``s`` tokens gives its document boundaries as ``cu_seqlens`` (and ``b = 1``)."""
     case = case_comm(s=s, b=b, h=h, g=g, d=d, dtype=dtype, cp=cp, mask=mask, window=window, comm=comm,
-                     a2a_size=a2a_size, kv_schedule=kv_schedule)
+                     a2a_size=a2a_size, kv_schedule=kv_schedule, cu_seqlens=cu_seqlens)
     a = case.a2a_size
     out = []
     for rank in range(cp):

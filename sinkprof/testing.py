@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from .options import AttnSpec, SoftmaxType, check_scale
+from .options import AttnSpec, QKVFormat, SoftmaxType, check_scale
+from .reference import doc_ids
 from .sink import sink_logits
 
 REFERENCE_BLOCK_BYTES = 64 * 2 ** 20   # one [b, h, rows, s] fp64 block of the reference
@@ -56,6 +57,11 @@ class Inputs:
         return Inputs(conv(self.q, dtype), conv(self.k, dtype), conv(self.v, dtype),
                       conv(self.offset, off_dtype), conv(self.bias, dtype), conv(self.grad_out, dtype))
 
+    def batched(self) -> "Inputs":
+        """A thd pack's ``[t, h, d]`` tensors as one ``bshd`` sequence ``[1, t, h, d]`` (views)."""
+        return Inputs(*(x.unsqueeze(0) for x in (self.q, self.k, self.v)), self.offset, self.bias,
+                      self.grad_out.unsqueeze(0))
+
 
 def make_inputs(shape: Shape, spec: AttnSpec, seed: int, *, with_bias: bool = False,
                 offset_scale: float = 5.0) -> Inputs:
@@ -66,9 +72,16 @@ def make_inputs(shape: Shape, spec: AttnSpec, seed: int, *, with_bias: bool = Fa
     def randn(*size):
         return torch.randn(*size, generator=gen, dtype=torch.float64)
 
-    seq_first = spec.qkv_format.seq_dim == 0
+    fmt = spec.qkv_format
+    if fmt is QKVFormat.THD and b != 1:
+        raise ValueError(f"b={b}: a thd pack is one sequence of documents; use b=1")
+    if spec.docs and sum(spec.docs) != s:
+        raise ValueError(f"the documents' lengths sum to {sum(spec.docs)}, not s={s}")
+
     def qkv(heads):
-        return randn(s, b, heads, d) if seq_first else randn(b, s, heads, d)
+        if fmt is QKVFormat.THD:
+            return randn(s, heads, d)
+        return randn(s, b, heads, d) if fmt is QKVFormat.SBHD else randn(b, s, heads, d)
     q, k, v, grad_out = qkv(h), qkv(g), qkv(g), qkv(h)
     offset = randn(1, h, 1, 1) * offset_scale if spec.softmax_type is SoftmaxType.LEARNABLE else None
     bias = randn(1, h, s, s) if with_bias else None
@@ -86,6 +99,11 @@ class Result:
     d_offset: Optional[torch.Tensor] = None
     d_bias: Optional[torch.Tensor] = None
     lse: Optional[torch.Tensor] = None
+
+    def unbatched(self) -> "Result":
+        """The inverse of ``Inputs.batched`` for the per-token tensors (``lse`` stays ``[1, h, t]``)."""
+        return Result(*(x.squeeze(0) for x in (self.out, self.dq, self.dk, self.dv)), self.d_offset, self.d_bias,
+                      self.lse)
 
     def named(self) -> dict[str, torch.Tensor]:
         names = {"out": self.out, "dq": self.dq, "dk": self.dk, "dv": self.dv,
@@ -126,6 +144,7 @@ def reference(inputs: Inputs, spec: AttnSpec, scale: Optional[float] = None,
     d_sink = torch.zeros(h, dtype=torch.float64, device=dev) if a is not None else None
     d_bias = torch.zeros_like(x.bias) if x.bias is not None else None
     keys = torch.arange(s, device=dev)
+    doc = doc_ids(spec, dev)
     selected = torch.arange(s, device=dev) if rows is None else rows.to(dev).nonzero().squeeze(1)
     per_row = b * h * s * 8
     n = max(1, min(s, block_bytes // per_row))
@@ -143,6 +162,8 @@ def reference(inputs: Inputs, spec: AttnSpec, scale: Optional[float] = None,
             visible &= diff >= band.lo
         if band.hi is not None:
             visible &= diff <= band.hi
+        if doc is not None:
+            visible &= doc[idx].view(-1, 1) == doc.view(1, -1)
         scores.masked_fill_(~visible, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)                               # -inf for a row that sees nothing
         if a is not None:

@@ -34,7 +34,7 @@ def test_embedded_default_passes_and_covers_p2p_softmax_types_and_masks(cli, tmp
 
 def test_cp3_windows_bias_gqa_sbhd_both_strategies_both_contracts_fp64_fp32(cli):
     res = cli("check", "--ranks", "3", "--seq-len", "48", "--softmax", "learnable,off-by-one", "--mask", "all",
-              "--qkv-format", "all", "--dtype", "fp64,fp32", "--sink-strategy", "all", "--sink-grad", "all",
+              "--qkv-format", "bshd,sbhd", "--dtype", "fp64,fp32", "--sink-strategy", "all", "--sink-grad", "all",
               "--window", "5,0", "--bias", "--format", "json")
     doc = _json(res)
     assert res.returncode == 0, res.stdout

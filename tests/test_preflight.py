@@ -161,12 +161,19 @@ def test_flash_tiles_keep_the_device_estimate_linear_and_a_simulation_is_one_pro
 
 
 def test_every_fault_applies_to_the_case_that_would_show_it():
-    learnable = Settings(softmax=("learnable",), comm=("a2a",), ranks=2)
+    learnable = Settings(softmax=("learnable",), comm=("a2a",), qkv_format=("thd",), seqlens=(16, 32, 16), ranks=2)
     cases = expand(learnable)
     for fault in Fault:
         if fault is not Fault.DROP_HALO:      # a2a moves no K/V rows to drop
             assert preflight.applies(fault, cases[0], 2), fault
     assert not preflight.applies(Fault.DROP_HALO, cases[0], 2)
+    # doc-leak needs two documents, and a window that lets a row see a key before its own position
+    one_doc = expand(Settings(softmax=("learnable",), qkv_format=("thd",), seqlens=(64,)))[0]
+    bshd = expand(Settings(softmax=("learnable",)))[0]
+    diagonal = expand(Settings(softmax=("learnable",), qkv_format=("thd",), seqlens=(32, 32), window=(0, 0)))[0]
+    left = expand(Settings(softmax=("learnable",), qkv_format=("thd",), seqlens=(32, 32), window=(1, 0)))[0]
+    assert [preflight.applies(Fault.DOC_LEAK, c, 2) for c in (one_doc, bshd, diagonal, left)] == [
+        False, False, False, True]
     direct = expand(Settings(softmax=("vanilla",), window=(3, 0), kv_schedule=("direct",), ranks=2))[0]
     ring = expand(Settings(softmax=("vanilla",), window=(3, 0), kv_schedule=("ring",), ranks=2))[0]
     assert preflight.applies(Fault.DROP_HALO, direct, 2) and not preflight.applies(Fault.DROP_HALO, ring, 2)

@@ -25,13 +25,13 @@ from ..context_parallel import cp_attention
 from ..dist import DEFAULT_TIMEOUT_S, where
 from ..faults import RANK_FAILURES, Fault
 from ..kernels import get_kernel
-from ..options import DTYPES, CommType, CPOptions, accum_dtype, check_scale, make_spec
+from ..options import DTYPES, CommType, CPOptions, QKVFormat, accum_dtype, check_scale
 from ..plan import global_rows, shard
 from ..ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
 from ..schedule import comm_schedule, resolved_kv_schedule, row_bytes
 from ..sink import sink_logits
 from ..testing import make_inputs
-from .cases import Case, Settings, expand
+from .cases import Case, Settings, expand, seqlens_text
 from .errors import EXIT_OK
 from .launcher import RankInfo
 from .linkmodel import Link, predict
@@ -40,7 +40,7 @@ from .output import STDOUT, CsvStream, atomic_path
 PHASES = ("fwd", "bwd", "fwdbwd")
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
 COLUMNS = ["run_id", "timestamp", "rank", "iteration", "phase", "step", "kind", "start_ms", "end_ms", "dur_ms",
-           "overlap_ms", "exposed_ms", "bytes", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s",
+           "overlap_ms", "exposed_ms", "bytes", "comm", "softmax", "sink_strategy", "mask", "window", "docs", "dtype", "b", "s",
            "h", "g", "d", "cp", "a2a_size", "kv_schedule", "backend", "merges", "simulated", "predicted", "link", "flops", "device_name", "torch", "cudnn", "nccl",
            "sinkprof", "git_sha"]
 
@@ -69,10 +69,12 @@ class BenchOptions:
 
 
 def useful_flops(case: Case, phase: str) -> int:
-    """FLOPs of the whole sequence's attention, each visible pair once (causal counted once)."""
-    spec = make_spec(case.softmax, case.mask, case.window, case.qkv_format)
+    """FLOPs of the whole sequence's attention, each visible pair once (causal counted once; a
+    pack's documents each see only themselves)."""
+    spec = case.spec()
     sh = case.shape
-    fwd = 4 * sh.b * sh.h * sh.d * spec.band.count(sh.s, sh.s)
+    pairs = sum(spec.band.count(n, n) for n in case.docs) if case.docs else spec.band.count(sh.s, sh.s)
+    fwd = 4 * sh.b * sh.h * sh.d * pairs
     return int(fwd * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[phase])
 
 
@@ -98,7 +100,7 @@ def kv_schedule_of(case: Case, cp: int) -> str:
     sh = case.shape
     kind = resolved_kv_schedule(s=sh.s, b=sh.b, h=sh.h, g=sh.g, d=sh.d, dtype=DTYPES[case.dtype], cp=cp,
                                 mask=case.mask, window=case.window, comm=case.comm, a2a_size=case.a2a_size,
-                                kv_schedule=case.kv_schedule)
+                                kv_schedule=case.kv_schedule, cu_seqlens=case.cu_seqlens)
     return "" if kind is None else kind.value
 
 
@@ -108,7 +110,7 @@ def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simul
         "comm": case.comm.value, "softmax": case.softmax.value,
         "sink_strategy": case.sink_strategy.value if case.softmax.has_sink else "",
         "mask": case.mask.value, "window": "" if case.window is None else f"{case.window[0]},{case.window[1]}",
-        "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
+        "docs": seqlens_text(case.docs), "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
         "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm is CommType.A2A_P2P else "",
         "kv_schedule": kv_schedule_of(case, cp),
         "backend": backend_name, "merges": _merges(device), "simulated": simulated, "predicted": False, "link": "",
@@ -235,15 +237,15 @@ def _summary(rows: list, csv_path: Optional[str]) -> None:
 def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptions, writer, run_id: str):
     where.case = case.label
     cp, rank, device = info.world, info.rank, info.device
-    spec = make_spec(case.softmax, case.mask, case.window, case.qkv_format)
+    spec = case.spec()
     dtype = DTYPES[case.dtype]
-    sd = spec.qkv_format.seq_dim
+    sd, cu = spec.qkv_format.seq_dim, spec.cu_seqlens
     host = make_inputs(case.shape, spec, settings.seed, with_bias=case.bias)
     x = host.to(device, dtype)
-    q, k, v = (shard(t, cp, rank, sd).requires_grad_() for t in (x.q, x.k, x.v))
+    q, k, v = (shard(t, cp, rank, sd, cu).requires_grad_() for t in (x.q, x.k, x.v))
     offset = x.offset.requires_grad_() if x.offset is not None else None
     bias = x.bias.requires_grad_() if x.bias is not None else None
-    grad_out = shard(x.grad_out, cp, rank, sd)
+    grad_out = shard(x.grad_out, cp, rank, sd, cu)
     a2a_size = case.a2a_size if case.comm is CommType.A2A_P2P else None
     backend_name = get_kernel(settings.backend, device).name
     meta = metadata(case, cp, device, backend_name, False, opts.phase)
@@ -257,7 +259,7 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
             return cp_attention(q, k, v, offset, comm=case.comm, softmax_type=case.softmax, mask=case.mask,
                                 window=case.window, bias=bias, qkv_format=case.qkv_format, backend=settings.backend,
                                 sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=opts.timeout,
-                                a2a_size=a2a_size, kv_schedule=case.kv_schedule)
+                                a2a_size=a2a_size, kv_schedule=case.kv_schedule, cu_seqlens=cu)
 
     def bwd(out):
         out.backward(grad_out)
@@ -290,6 +292,8 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
         for settings in groups:
             try:
                 settings.shape.validate(cp)
+                for case in expand(settings):
+                    case.spec().chunks(case.shape.s, cp)   # every document of a pack splits into 2 * cp chunks
             except ValueError as exc:
                 raise ValueError(f"--simulate {cp}: {exc}") from None
     writer = RowWriter(opts.csv)
@@ -311,28 +315,30 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
 
 
 def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device, opts: BenchOptions):
-    spec = make_spec(case.softmax, case.mask, case.window, case.qkv_format)
+    spec = case.spec()
     case.shape.validate(cp)
-    fmt, sd = spec.qkv_format, spec.qkv_format.seq_dim
     dtype = DTYPES[case.dtype]
     acc = accum_dtype(dtype)
     x = make_inputs(case.shape, spec, settings.seed, with_bias=case.bias).to(device, dtype)
+    if spec.qkv_format is QKVFormat.THD:   # the loops run a pack as one bshd sequence of b = 1
+        x, spec = x.batched(), spec.batched()
+    fmt, sd, cu = spec.qkv_format, spec.qkv_format.seq_dim, spec.cu_seqlens
     kernel = get_kernel(settings.backend, device)
     copts = CPOptions(spec, check_scale(None, case.shape.d), kernel, case.sink_strategy)
     sink = sink_logits(spec.softmax_type, x.offset, case.shape.h, device)
-    chunk = case.shape.s // (2 * cp)
-    schedule = comm_schedule(case.kv_schedule, cp, chunk, spec.band,
+    chunks = spec.chunks(case.shape.s, cp)
+    schedule = comm_schedule(case.kv_schedule, cp, chunks, spec.band,
                              *row_bytes(case.shape.b, case.shape.g, case.shape.d, dtype))
-    ks = [fmt.to_bhsd(shard(x.k, cp, r, sd)) for r in range(cp)]
-    vs = [fmt.to_bhsd(shard(x.v, cp, r, sd)) for r in range(cp)]
-    positions = [global_rows(cp, r, chunk, device) for r in range(cp)]
+    ks = [fmt.to_bhsd(shard(x.k, cp, r, sd, cu)) for r in range(cp)]
+    vs = [fmt.to_bhsd(shard(x.v, cp, r, sd, cu)) for r in range(cp)]
+    positions = [global_rows(cp, r, chunks, device) for r in range(cp)]
     for rank in range(cp):
         plan = schedule.plans[rank]
-        q = shard(x.q, cp, rank, sd)
-        do = fmt.to_bhsd(shard(x.grad_out, cp, rank, sd))
+        q = shard(x.q, cp, rank, sd, cu)
+        do = fmt.to_bhsd(shard(x.grad_out, cp, rank, sd, cu))
         bias = BiasTiles(x.bias, plan, positions[rank], positions, acc) if x.bias is not None else None
         o_acc = torch.empty(q.shape, dtype=acc, device=device) if plan.accumulates else None
-        lse = torch.empty(q.shape[1 - sd], case.shape.h, 2 * chunk, dtype=acc, device=device)
+        lse = torch.empty(q.shape[1 - sd], case.shape.h, q.shape[sd], dtype=acc, device=device)
         out = torch.empty_like(q)
         dq = torch.empty(q.shape, dtype=acc, device=device)
         dkv = LocalDKV(torch.zeros(ks[0].shape, dtype=acc, device=device),

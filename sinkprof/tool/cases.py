@@ -1,18 +1,28 @@
 """The case matrix of ``check`` and ``bench``: ``Settings`` (lists of options, as a profile and the
 command line give them) crossed into ``Case``s.
+
+A ``thd`` case is one pack of documents (``b = 1``, no bias): ``--seqlens`` gives the documents'
+lengths (their sum is the pack, ``--seq-len``), ``--docs N`` draws N lengths from the seed, and
+without either a thd case packs ``DEFAULT_DOCS`` random documents.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from ..dist import DEFAULT_TIMEOUT_S
 from ..kernels import unavailable_reason
-from ..options import (DTYPES, Backend, CommType, KVSchedule, MaskType, QKVFormat, SinkGrad, SinkStrategy, SoftmaxType,
-                       check_a2a_size, check_heads, check_sink_strategy, make_spec, parse_dtype, window_pair)
+from ..options import (DTYPES, AttnSpec, Backend, CommType, KVSchedule, MaskType, QKVFormat, SinkGrad, SinkStrategy,
+                       SoftmaxType, check_a2a_size, check_heads, check_sink_strategy, make_spec, parse_dtype,
+                       window_pair)
 from ..testing import Shape
+
+DEFAULT_DOCS = 3    # documents of a thd pack given neither --seqlens nor --docs (fewer if the pack is short)
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,8 @@ class Settings:
     a2a_size: int = 2
     batch: int = 2
     seq_len: int = 64
+    seqlens: Optional[tuple] = None   # thd: the documents' lengths (they sum to seq_len)
+    docs: Optional[int] = None        # thd: this many random documents from the seed
     heads: int = 4
     kv_heads: int = 2
     head_dim: int = 16
@@ -67,6 +79,7 @@ class Settings:
                 raise ValueError(f"{option(name)} {getattr(self, name)} must be >= 1")
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads} (GQA)")
+        self.validate_pack()   # first: explicit lengths get the library's message (it names pad_pack)
         if self.seq_len % (2 * self.ranks):
             step = 2 * self.ranks
             raise ValueError(f"--seq-len {self.seq_len} must be divisible by 2 * cp = {step} (load-balanced "
@@ -81,9 +94,139 @@ class Settings:
                 check_a2a_size(self.a2a_size, self.ranks)
             check_heads(self.heads, self.kv_heads, a2a_members(comm, self.ranks, self.a2a_size))
 
+    def validate_pack(self) -> None:
+        """The thd options: given only with thd, documents that sum to the pack and that every rank
+        can cut into load-balanced chunks (the library's check, which names ``sinkprof.pad_pack``)."""
+        if self.docs is not None and self.docs < 1:
+            raise ValueError(f"--docs {self.docs} must be >= 1 (the number of documents in a thd pack)")
+        given = [name for name in ("seqlens", "docs") if getattr(self, name) is not None]
+        if given and not self.thd:
+            raise ValueError(f"{' and '.join(map(option, given))} describe{'s' if len(given) == 1 else ''} the "
+                             f"documents of a thd pack, but "
+                             f"--qkv-format is {','.join(self.qkv_format)}; add thd (e.g. --qkv-format thd) "
+                             f"or drop {' and '.join(map(option, given))}")
+        if not self.thd:
+            return
+        if self.bias and set(self.qkv_format) == {QKVFormat.THD.value}:
+            raise ValueError("--bias: a thd pack takes no bias (a [1, h, T, T] bias over a pack defeats packing); "
+                             "drop --bias, or add bshd or sbhd to --qkv-format (their cases take it)")
+        if self.seqlens is not None:
+            text = seqlens_text(self.seqlens)
+            if not self.seqlens or any(type(n) is not int or n < 1 for n in self.seqlens):
+                raise ValueError(f"--seqlens {text}: every document needs at least one token, e.g. --seqlens 96,160,256")
+            if sum(self.seqlens) != self.seq_len:
+                raise ValueError(f"--seqlens {text} sums to {sum(self.seqlens)} tokens but --seq-len is {self.seq_len}; "
+                                 f"--seqlens sets the pack's length: drop --seq-len")
+            try:
+                self.pack_spec(self.seqlens).chunks(self.seq_len, self.ranks)
+            except ValueError as exc:
+                raise ValueError(f"--seqlens {text} at --ranks {self.ranks}: {exc}") from None
+        elif self.seq_len % (2 * self.ranks) == 0:   # else the --seq-len check below says so
+            self.documents()
+
+    @property
+    def thd(self) -> bool:
+        """Whether some case is a thd pack."""
+        return QKVFormat.THD.value in self.qkv_format
+
+    @staticmethod
+    def pack_spec(docs) -> AttnSpec:
+        return make_spec("vanilla", "no_mask", None, "thd", [0, *itertools.accumulate(docs)])
+
+    def documents(self, cps: tuple = ()) -> tuple[int, ...]:
+        """The documents of this run's thd pack: ``seqlens``, or ``docs`` (default ``DEFAULT_DOCS``,
+        fewer when the pack is short) lengths drawn from the seed, each a multiple of ``2 * cp`` for
+        every cp of ``cps`` (default: ``ranks``) and summing to ``seq_len``."""
+        if self.seqlens is not None:
+            return tuple(self.seqlens)
+        cps = tuple(cps) or (self.ranks,)
+        multiple = math.lcm(*(2 * cp for cp in cps))
+        why = (f"2 * cp = {multiple}" if len(cps) == 1 else
+               f"2 * cp for every cp of the run ({','.join(map(str, cps))}): {multiple}")
+        if self.seq_len % multiple:
+            raise ValueError(f"--seq-len {self.seq_len}: a thd pack of random documents needs a multiple of {why}; "
+                             f"use --seq-len {max(multiple, self.seq_len // multiple * multiple)}, or give the "
+                             f"lengths with --seqlens")
+        units = self.seq_len // multiple
+        count = min(DEFAULT_DOCS, units) if self.docs is None else self.docs
+        if count < 1:
+            raise ValueError(f"--docs {count} must be >= 1 (the number of documents in a thd pack)")
+        if count > units:
+            raise ValueError(f"--docs {count}: {count} documents of at least {multiple} tokens ({why}) need "
+                             f"--seq-len >= {count * multiple}, and it is {self.seq_len}; use --docs {units} or "
+                             f"--seq-len {count * multiple}")
+        return random_documents(self.seq_len, count, multiple, self.seed)
+
+    def with_documents(self, cps: tuple = ()) -> "Settings":
+        """These settings with the thd pack drawn (``seqlens`` set), so every rank and the report
+        see the same lengths; unchanged without thd."""
+        return dataclasses.replace(self, seqlens=self.documents(cps)) if self.thd else self
+
     @property
     def shape(self) -> Shape:
         return Shape(self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim)
+
+
+def random_documents(total: int, count: int, multiple: int, seed: int) -> tuple[int, ...]:
+    """``count`` lengths, each a positive multiple of ``multiple``, summing to ``total`` (itself a
+    multiple): ``count - 1`` distinct cut points drawn from a generator seeded with ``seed``."""
+    units = total // multiple
+    gen = torch.Generator().manual_seed(seed)
+    cuts = sorted((torch.randperm(units - 1, generator=gen)[:count - 1] + 1).tolist())
+    ends = [0, *cuts, units]
+    return tuple((b - a) * multiple for a, b in zip(ends, ends[1:]))
+
+
+def seqlens_text(docs) -> str:
+    return ",".join(map(str, docs))
+
+
+def parse_seqlens(text: str, arg: str = "--seqlens") -> tuple[int, ...]:
+    """``"96,160,256"`` -> document lengths; the error names ``arg`` and the bad item."""
+    items = [v.strip() for v in str(text).split(",")]
+    if not any(items):
+        raise ValueError(f"{arg} needs the documents' lengths, e.g. {arg} 96,160,256")
+    out = []
+    for n, item in enumerate(items):
+        if not item.isdigit():
+            raise ValueError(f"{arg} {text}: {item!r} is not a document length (a positive integer), "
+                             f"e.g. {arg} 96,160,256")
+        if int(item) < 1:
+            raise ValueError(f"{arg} {text}: document {n} has {int(item)} tokens; every document needs at least one")
+        out.append(int(item))
+    return tuple(out)
+
+
+def check_pack_layer(layer: dict, where: str = "") -> None:
+    """One layer of settings (a profile, a ``[[cases]]`` group, the command line) gives the pack
+    once: ``seqlens`` or ``docs``, and a ``seq_len`` beside ``seqlens`` only if it is their sum."""
+    seqlens, docs, seq_len = (layer.get(k) for k in ("seqlens", "docs", "seq_len"))
+    if seqlens is None:
+        return
+    if docs is not None:
+        raise ValueError(f"--seqlens and --docs both given{where}: give the lengths (--seqlens) or a number of "
+                         f"random documents (--docs), not both")
+    if seq_len is not None and all(type(n) is int for n in seqlens) and sum(seqlens) != seq_len:
+        raise ValueError(f"--seqlens {seqlens_text(seqlens)} sums to {sum(seqlens)} tokens but --seq-len is "
+                         f"{seq_len}{where}; --seqlens sets the pack's length: drop --seq-len (or make them agree)")
+
+
+def merge_layers(layers: list) -> dict:
+    """Settings fields from layers (a profile, a ``[[cases]]`` group, the command line), later
+    ones overriding earlier ones. A layer that gives the pack's lengths (``seqlens``) sets
+    ``seq_len`` to their sum and replaces an earlier ``docs``; one that gives ``seq_len`` or
+    ``docs`` replaces an earlier ``seqlens`` (its length stays, unless ``seq_len`` is given)."""
+    merged: dict = {}
+    for layer in layers:
+        given = {k: v for k, v in layer.items() if v is not None}
+        if "seqlens" in given:
+            merged.pop("docs", None)
+        if "seq_len" in given or "docs" in given:
+            merged.pop("seqlens", None)
+        merged.update(given)
+        if "seqlens" in given and all(type(n) is int for n in given["seqlens"]):
+            merged["seq_len"] = sum(given["seqlens"])
+    return merged
 
 
 LIST_FIELDS = ("comm", "softmax", "mask", "qkv_format", "dtype", "sink_strategy", "sink_grad")
@@ -113,12 +256,23 @@ class Case:
     shape: Shape
     a2a_size: int = 2
     kv_schedule: KVSchedule = KVSchedule.AUTO
+    docs: tuple = ()                 # thd: the documents' lengths, in order
+
+    @property
+    def cu_seqlens(self) -> Optional[list]:
+        """The pack's document boundaries ``[0, end_0, ..., t]``; None for bshd and sbhd."""
+        return [0, *itertools.accumulate(self.docs)] if self.docs else None
+
+    def spec(self) -> AttnSpec:
+        return make_spec(self.softmax, self.mask, self.window, self.qkv_format, self.cu_seqlens)
 
     def parts(self) -> dict:
         """The case in words, one entry per option it sets (option name -> text), in label order."""
         parts = {"comm": f"a2a+p2p({self.a2a_size})" if self.comm is CommType.A2A_P2P else self.comm.value,
-                 "softmax": self.softmax.value, "mask": self.mask.value, "qkv_format": self.qkv_format.value,
-                 "dtype": self.dtype}
+                 "softmax": self.softmax.value, "mask": self.mask.value, "qkv_format": self.qkv_format.value}
+        if self.docs:
+            parts["docs"] = f"docs={seqlens_text(self.docs)}"
+        parts["dtype"] = self.dtype
         if self.softmax.has_sink:
             parts.update(sink_strategy=self.sink_strategy.value, sink_grad=f"grad={self.sink_grad.value}")
         if self.window is not None:
@@ -135,20 +289,25 @@ class Case:
 
 
 def expand(settings: Settings) -> list[Case]:
-    """The cross product of the settings' lists; sink options only multiply cases that have a sink."""
-    shape = settings.shape
+    """The cross product of the settings' lists; sink options only multiply cases that have a sink.
+    A thd case is the pack of ``settings.documents()`` with ``b = 1`` and no bias."""
+    docs = settings.documents() if settings.thd else ()
     cases = []
     for comm, softmax, mask, fmt, dtype, kv in itertools.product(settings.comm, settings.softmax, settings.mask,
                                                                  settings.qkv_format, settings.dtype,
                                                                  settings.kv_schedule):
         sm = SoftmaxType.parse(softmax, "softmax")
+        fmt = QKVFormat.parse(fmt, "qkv_format")
+        thd = fmt is QKVFormat.THD
+        bias = settings.bias and not thd
+        shape = dataclasses.replace(settings.shape, b=1) if thd else settings.shape
         strategies = settings.sink_strategy if sm.has_sink else settings.sink_strategy[:1]
-        contracts = settings.sink_grad if sm.has_sink or settings.bias else settings.sink_grad[:1]
+        contracts = settings.sink_grad if sm.has_sink or bias else settings.sink_grad[:1]
         for strategy, contract in itertools.product(strategies, contracts):
-            cases.append(Case(CommType.parse(comm, "comm"), sm, MaskType.parse(mask, "mask"),
-                              QKVFormat.parse(fmt, "qkv_format"), dtype, SinkStrategy.parse(strategy, "sink_strategy"),
-                              SinkGrad.parse(contract, "sink_grad"), settings.window, settings.bias, shape,
-                              settings.a2a_size, KVSchedule.parse(kv, "kv_schedule")))
+            cases.append(Case(CommType.parse(comm, "comm"), sm, MaskType.parse(mask, "mask"), fmt, dtype,
+                              SinkStrategy.parse(strategy, "sink_strategy"), SinkGrad.parse(contract, "sink_grad"),
+                              settings.window, bias, shape, settings.a2a_size, KVSchedule.parse(kv, "kv_schedule"),
+                              docs if thd else ()))
     return cases
 
 
@@ -179,6 +338,8 @@ class CaseOptions:
     bias: Optional[bool] = None
     batch: Optional[int] = None
     seq_len: Optional[int] = None
+    seqlens: Optional[str] = None
+    docs: Optional[int] = None
     heads: Optional[int] = None
     kv_heads: Optional[int] = None
     head_dim: Optional[int] = None
@@ -203,5 +364,8 @@ class CaseOptions:
                     value = ALL[f.name]
             elif f.name == "window":
                 value = window_pair(value, "--window")
+            elif f.name == "seqlens":
+                value = parse_seqlens(value, "--seqlens")
             out[f.name] = value
+        check_pack_layer(out)
         return out

@@ -24,8 +24,8 @@ from ..context_parallel import comm_for, cp_attention, cp_groups
 from ..dist import where
 from ..faults import Fault
 from ..kernels import get_kernel
-from ..options import CommType, DTYPES, SinkGrad, make_spec
-from ..plan import chunk_ids, shard
+from ..options import CommType, DTYPES, SinkGrad
+from ..plan import global_rows, shard
 from ..schedule import PHASE_KINDS, CaseComm, case_comm
 from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_inputs, reference,
                        shares_storage, tolerance_for)
@@ -52,7 +52,7 @@ class CaseResult:
         c = self.case
         return {"comm": c.comm.value, "kv_schedule": self.kv_schedule, "traffic": self.traffic,
                 "softmax": c.softmax.value, "mask": c.mask.value,
-                "qkv_format": c.qkv_format.value, "dtype": c.dtype, "cp": self.cp,
+                "qkv_format": c.qkv_format.value, "docs": list(c.docs) or None, "dtype": c.dtype, "cp": self.cp,
                 "sink_strategy": c.sink_strategy.value if c.softmax.has_sink else None,
                 "sink_grad": c.sink_grad.value, "window": list(c.window) if c.window else None, "bias": c.bias,
                 "shape": asdict(c.shape), "passed": self.passed,
@@ -65,23 +65,29 @@ def case_traffic(case: Case, cp: int) -> CaseComm:
     """Where a case's messages go and how big they are, from the plan."""
     sh = case.shape
     return case_comm(s=sh.s, b=sh.b, h=sh.h, g=sh.g, d=sh.d, dtype=DTYPES[case.dtype], cp=cp, mask=case.mask,
-                     window=case.window, comm=case.comm, a2a_size=case.a2a_size, kv_schedule=case.kv_schedule)
+                     window=case.window, comm=case.comm, a2a_size=case.a2a_size, kv_schedule=case.kv_schedule,
+                     cu_seqlens=case.cu_seqlens)
 
 
 # The tensors compared, in a fixed order so ranks can reduce them element by element.
 NAMES = ("out", "dq", "dk", "dv", "d_sink", "d_sink_sum", "d_bias", "d_bias_sum", "comm", "reference")
 
 
-def own_part(comm: CommType, shape: Shape, cp: int, rank: int, a2a_size: int) -> tuple:
+def shard_rows(s: int, cp: int, ranks, chunks) -> torch.Tensor:
+    """Bool over the ``s`` rows of the sequence (or pack): the rows of the given ranks' shards;
+    ``chunks`` as ``spec.chunks(s, cp)`` gives them (one per document of a pack)."""
+    rows = torch.zeros(s, dtype=torch.bool)
+    for rank in ranks:
+        rows[global_rows(cp, rank, chunks)] = True
+    return rows
+
+
+def own_part(comm: CommType, shape: Shape, cp: int, rank: int, a2a_size: int, chunks) -> tuple:
     """(rows, heads) masks of what a rank computes, so its ``partial`` gradients can be checked:
     its shard's rows under p2p, its heads under a2a, its group's rows and its heads under a2a+p2p."""
     members = a2a_members(comm, cp, a2a_size)
     group, inner = divmod(rank, members)
-    rows = torch.zeros(shape.s, dtype=torch.bool)
-    chunk = shape.s // (2 * cp)
-    for member in range(group * members, (group + 1) * members):
-        for c in chunk_ids(cp, member):
-            rows[c * chunk:(c + 1) * chunk] = True
+    rows = shard_rows(shape.s, cp, range(group * members, (group + 1) * members), chunks)
     heads = torch.zeros(shape.h, dtype=torch.bool)
     per = shape.h // members
     heads[inner * per:(inner + 1) * per] = True
@@ -92,19 +98,17 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     """One case on this rank; every rank returns the same (reduced) result."""
     where.case, where.phase, where.step, where.op = case.label, "setup", -1, "reference"
     cp, rank, device = info.world, info.rank, info.device
-    spec = make_spec(case.softmax, case.mask, case.window, case.qkv_format)
+    spec = case.spec()
     dtype = DTYPES[case.dtype]
-    sd = spec.qkv_format.seq_dim
+    sd, cu = spec.qkv_format.seq_dim, spec.cu_seqlens
+    chunks = spec.chunks(case.shape.s, cp)   # rows per load-balanced chunk (of each document of a pack)
     host = make_inputs(case.shape, spec, seed, with_bias=case.bias)
     # The reference sees exactly the values the CP run sees (rounded to the case's dtype).
     rounded = host.to("cpu", dtype)
     comm = comm_for(None, timeout)
     # One reference per case, shared: each rank computes its own rows (out and dq of its shard, its
     # rows' share of dk, dv and the replicated gradients), and the shares are summed.
-    chunk = case.shape.s // (2 * cp)
-    mine = torch.zeros(case.shape.s, dtype=torch.bool)
-    for c in chunk_ids(cp, rank):
-        mine[c * chunk:(c + 1) * chunk] = True
+    mine = shard_rows(case.shape.s, cp, [rank], chunks)
     ref = reference(rounded.to(device, torch.float64), spec, rows=mine)
     for name, t in (("dk", ref.dk), ("dv", ref.dv), ("d_sink", ref.d_offset), ("d_bias", ref.d_bias)):
         if t is not None:
@@ -112,14 +116,14 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     snapshot = Snapshot.of(ref)
     ref_part = None
     if case.sink_grad is SinkGrad.PARTIAL and (host.offset is not None or host.bias is not None):
-        rows, heads = own_part(case.comm, case.shape, cp, rank, case.a2a_size)
+        rows, heads = own_part(case.comm, case.shape, cp, rank, case.a2a_size, chunks)
         ref_part = reference(rounded.to(device, torch.float64), spec, rows=rows, heads=heads)
 
     x = rounded.to(device, dtype)
-    q, k, v = (shard(t, cp, rank, sd).requires_grad_() for t in (x.q, x.k, x.v))
+    q, k, v = (shard(t, cp, rank, sd, cu).requires_grad_() for t in (x.q, x.k, x.v))
     offset = x.offset.requires_grad_() if x.offset is not None else None
     bias = x.bias.requires_grad_() if x.bias is not None else None
-    grad_out = shard(x.grad_out, cp, rank, sd)
+    grad_out = shard(x.grad_out, cp, rank, sd, cu)
     kernel = get_kernel(backend, device)
     refused_before = set(getattr(kernel, "refused", dict)())
     a2a_size = case.a2a_size if case.comm is CommType.A2A_P2P else None
@@ -132,7 +136,7 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     out = cp_attention(q, k, v, offset, comm=case.comm, softmax_type=case.softmax, mask=case.mask,
                        window=case.window, bias=bias, qkv_format=case.qkv_format, backend=backend,
                        sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=timeout,
-                       a2a_size=a2a_size, kv_schedule=case.kv_schedule)
+                       a2a_size=a2a_size, kv_schedule=case.kv_schedule, cu_seqlens=cu)
     faults.active.alias_reference(offset, ref)
     where.phase, where.step, where.op = "bwd", 0, "cp_attention backward"
     out.backward(grad_out)
@@ -147,7 +151,7 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     errors: dict[str, Error] = {}
     for name, mine, theirs in (("out", got.out, ref.out), ("dq", got.dq, ref.dq), ("dk", got.dk, ref.dk),
                                ("dv", got.dv, ref.dv)):
-        errors[name] = compare(mine, shard(theirs, cp, rank, sd), tol)
+        errors[name] = compare(mine, shard(theirs, cp, rank, sd, cu), tol)
     for name, mine, full_ref, part_ref in (("d_sink", got.d_offset, ref.d_offset, ref_part and ref_part.d_offset),
                                            ("d_bias", got.d_bias, ref.d_bias, ref_part and ref_part.d_bias)):
         if mine is None:
@@ -302,11 +306,19 @@ def report(results: list, passed: bool, info: RankInfo, settings: Settings, faul
 COMPARED = tuple(n for n in NAMES if n not in ("comm", "reference"))
 
 
+TABLE_DOCS = 24   # characters: a longer list of documents shows as their count in the table
+
+
 def case_parts(case: Case) -> dict:
     """What the table says about a case: its options and its shape (cases of several settings
-    groups may differ in shape)."""
+    groups may differ in shape); a pack's documents as their lengths, or their count when the
+    list is long (``--format json`` lists them)."""
     sh = case.shape
-    return dict(case.parts(), shape=f"b={sh.b} s={sh.s} h={sh.h} g={sh.g} d={sh.d}")
+    parts = case.parts()
+    if len(parts.get("docs", "")) > TABLE_DOCS:
+        parts["docs"] = f"{len(case.docs)} docs"
+    size = f"t={sh.s}" if case.docs else f"b={sh.b} s={sh.s}"
+    return dict(parts, shape=f"{size} h={sh.h} g={sh.g} d={sh.d}")
 
 
 def split_parts(cases: list) -> tuple:

@@ -88,7 +88,7 @@ def _probe_kernel(backend: Backend, softmax: SoftmaxType, dtype: torch.dtype, la
         return f"{backend.value} takes bf16/fp16, not {DTYPE_NAMES[dtype]}; the {backend.value} backend runs torch tiles for it"
     gen = torch.Generator().manual_seed(0)
     b, s, h, g, d = 2, 128, 4, 2, 64
-    shape = (b, s) if layout is QKVFormat.BSHD else (s, b)
+    shape = {QKVFormat.BSHD: (b, s), QKVFormat.SBHD: (s, b), QKVFormat.THD: (b * s,)}[layout]  # thd: one pack
 
     def make(heads):
         return torch.randn(*shape, heads, d, generator=gen, dtype=torch.float64)

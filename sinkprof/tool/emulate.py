@@ -1,22 +1,30 @@
 """``sinkprof emulate``: every rank's ring schedule replayed in fp64 in one process (the library's
-emulator, ``sinkprof.emulate``) against the reference, for every (cp, mask, strategy) asked for.
+emulator, ``sinkprof.emulate``) against the reference, for every (layout, cp, mask, strategy)
+asked for; a thd layout is one pack of documents (``b = 1``).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..emulate import emulate_hierarchical, emulate_ring
-from ..options import KVSchedule, MaskType, SinkStrategy, SoftmaxType, make_spec, window_pair
+from ..options import KVSchedule, MaskType, QKVFormat, SinkStrategy, SoftmaxType, make_spec, window_pair
 from ..testing import Shape, make_inputs, reference
+from .cases import Settings, check_pack_layer, merge_layers, seqlens_text
 from .errors import EXIT_FAILED, EXIT_OK
 from .output import Output
+
+DEFAULT_SEQ_LEN = 64
+DEFAULT_BATCH = 2
 
 
 @dataclass
 class EmulateRow:
     comm: str
+    qkv_format: str
+    docs: str         # thd: the documents' lengths ("24,48,24"); empty otherwise
     kv_schedule: str  # the K/V schedule replayed (auto resolved)
     cp: int
     mask: str
@@ -36,17 +44,23 @@ EMULATE_TOLERANCE = 1e-12
 
 
 def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_size: Optional[int] = None,
-            schedules=(KVSchedule.AUTO,)) -> list[EmulateRow]:
-    """Every (cp, mask, strategy, K/V schedule) against the fp64 reference, with a learnable sink
-    of ``randn * 5``.
+            schedules=(KVSchedule.AUTO,), formats=(QKVFormat.BSHD,), docs: tuple = ()) -> list[EmulateRow]:
+    """Every (layout, mask, cp, strategy, K/V schedule) against the fp64 reference, with a
+    learnable sink of ``randn * 5``. A thd layout packs the documents ``docs`` (their sum is
+    ``shape.s``) with ``b = 1``.
 
     With ``a2a_size`` the schedule is a2a+p2p: cp ranks in inner groups of ``a2a_size``."""
     rows = []
-    for mask in masks:
-        spec = make_spec(SoftmaxType.LEARNABLE, mask, window, "bshd")
+    for fmt, mask in itertools.product(formats, masks):
+        fmt = QKVFormat.parse(fmt, "--qkv-format")
+        thd = fmt is QKVFormat.THD
+        cu = [0, *itertools.accumulate(docs)] if thd else None
+        spec = make_spec(SoftmaxType.LEARNABLE, mask, window, fmt, cu)
+        fmt_shape = dataclasses.replace(shape, b=1) if thd else shape
         for cp in cps:
-            shape.validate(cp)
-            inputs = make_inputs(shape, spec, seed)
+            fmt_shape.validate(cp)
+            spec.chunks(fmt_shape.s, cp)
+            inputs = make_inputs(fmt_shape, spec, seed)
             ref = reference(inputs, spec)
             for strategy, kv in itertools.product(strategies, schedules):
                 run = (emulate_ring(inputs, spec, cp, strategy, kv_schedule=kv) if a2a_size is None else
@@ -55,41 +69,74 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
                 err = {k: (got.named()[k] - v).abs().max().item() for k, v in ref.named().items()}
                 ratio = (got.d_offset / ref.d_offset).flatten()
                 passed = max(err.values()) <= EMULATE_TOLERANCE
-                rows.append(EmulateRow("p2p" if a2a_size is None else f"a2a+p2p({a2a_size})",
+                rows.append(EmulateRow("p2p" if a2a_size is None else f"a2a+p2p({a2a_size})", fmt.value,
+                                       seqlens_text(docs) if thd else "",
                                        run.kv_schedule.value, cp, MaskType.parse(mask, "mask").value, strategy.value,
                                        err["out"], err["dq"], err["dk"], err["dv"], err["d_sink"], ratio.min().item(),
                                        ratio.max().item(), passed, passed != (strategy is SinkStrategy.EVERY_TILE)))
     return rows
 
 
+def pack(formats, cps, *, seq_len: Optional[int], seqlens: Optional[tuple], docs: Optional[int], batch: Optional[int],
+         seed: int) -> tuple[int, int, tuple]:
+    """(sequence length, batch, the thd pack's documents) from the options, as ``check`` reads
+    them: ``--seqlens`` sets the length, ``--docs`` draws lengths from the seed (multiples of
+    2 * cp for every cp), a thd pack is ``b = 1``; errors name the options."""
+    thd = QKVFormat.THD in formats
+    given = {"seqlens": seqlens, "docs": docs, "seq_len": seq_len}
+    check_pack_layer(given)
+    s = merge_layers([{"seq_len": DEFAULT_SEQ_LEN}, given])["seq_len"]
+    settings = Settings(qkv_format=tuple(f.value for f in formats), seq_len=s, seqlens=seqlens, docs=docs,
+                        ranks=max(cps), seed=seed)
+    if not thd:
+        settings.validate_pack()    # names --seqlens or --docs given without thd
+        return s, batch or DEFAULT_BATCH, ()
+    if batch not in (None, 1) and set(formats) == {QKVFormat.THD}:
+        raise ValueError(f"--batch {batch}: a thd pack is one sequence of documents (b = 1); drop --batch, or add "
+                         f"bshd or sbhd to --qkv-format")
+    if set(formats) == {QKVFormat.THD}:
+        batch = 1
+    lengths = settings.documents(tuple(cps))
+    for cp in cps:
+        try:
+            Settings.pack_spec(lengths).chunks(s, cp)
+        except ValueError as exc:
+            raise ValueError(f"--seqlens {seqlens_text(lengths)} at --cp {cp}: {exc}") from None
+    return s, batch or DEFAULT_BATCH, lengths
+
+
 def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: int, window: Optional[str],
-        output: Output, schedules=(KVSchedule.AUTO,)) -> int:
+        output: Output, schedules=(KVSchedule.AUTO,), formats=(QKVFormat.BSHD,), docs: tuple = ()) -> int:
     """The command: replay, compare, write the rows; 0 when every row is as expected. ``window``
-    is the ``LEFT,RIGHT`` text of ``--window``."""
+    is the ``LEFT,RIGHT`` text of ``--window``; ``docs`` the thd pack (``pack``)."""
     pair = None if window is None else window_pair(window, "--window")
     for n in cps:
         shape.validate(n)
     if comm not in ("p2p", "a2a+p2p"):
         raise ValueError(f"--comm {comm!r}: emulate replays p2p or a2a+p2p")
-    rows = emulate(cps, masks, strategies, shape, seed, pair, a2a_size if comm == "a2a+p2p" else None, schedules)
+    rows = emulate(cps, masks, strategies, shape, seed, pair, a2a_size if comm == "a2a+p2p" else None, schedules,
+                   formats, docs)
     ok = all(r.ok for r in rows)
+    sizes = [f"b={shape.b} s={shape.s}"] if set(formats) != {QKVFormat.THD} else []
+    sizes += [f"thd t={shape.s} docs={seqlens_text(docs)}"] if docs else []
 
     def table(console):
         from rich.table import Table
-        t = Table(title=f"fp64 ring replay vs reference (tolerance {EMULATE_TOLERANCE:g}, b={shape.b} s={shape.s} "
+        t = Table(title=f"fp64 ring replay vs reference (tolerance {EMULATE_TOLERANCE:g}, {', '.join(sizes)} "
                         f"h={shape.h} g={shape.g} d={shape.d}, learnable sink randn*5)")
-        for col in ("comm", "kv", "cp", "mask", "strategy", "out", "dq", "dk", "dv", "d_sink", "d_sink ratio", "verdict"):
-            t.add_column(col, justify="right" if col not in ("kv", "mask", "strategy", "verdict") else "left")
+        for col in ("comm", "layout", "kv", "cp", "mask", "strategy", "out", "dq", "dk", "dv", "d_sink",
+                    "d_sink ratio", "verdict"):
+            t.add_column(col, justify="right" if col not in ("layout", "kv", "mask", "strategy", "verdict") else "left")
         for r in rows:
             verdict = ("ok" if r.passed else "WRONG") if r.strategy != "every-tile" else \
                 ("bug detected" if not r.passed else "BUG NOT DETECTED")
             style = "green" if r.ok else "red"
-            t.add_row(r.comm, r.kv_schedule, str(r.cp), r.mask, r.strategy, *(f"{x:.1e}" for x in (
+            t.add_row(r.comm, r.qkv_format, r.kv_schedule, str(r.cp), r.mask, r.strategy, *(f"{x:.1e}" for x in (
                 r.out_max_abs_err, r.dq_max_abs_err, r.dk_max_abs_err, r.dv_max_abs_err, r.dsink_max_abs_err)),
                 f"{r.dsink_ratio_min:.4f}..{r.dsink_ratio_max:.4f}", f"[{style}]{verdict}[/{style}]")
         console.print(t)
 
     output.emit(doc={"passed": ok, "tolerance": EMULATE_TOLERANCE, "shape": asdict(shape), "window": window,
-                     "seed": seed, "results": [asdict(r) for r in rows]},
+                     "docs": list(docs) or None, "seed": seed, "results": [asdict(r) for r in rows]},
                 rows=[asdict(r) for r in rows], table=table)
     return EXIT_OK if ok else EXIT_FAILED

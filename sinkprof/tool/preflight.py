@@ -15,10 +15,11 @@ from typing import Optional
 
 import torch
 
-from ..faults import RANK_FAILURES, Fault
+from ..faults import RANK_FAILURES, Fault, Injected
 from ..kernels import resolve_backend
 from ..options import DTYPES, Backend, CommType, KVSchedule, SoftmaxType, accum_dtype
-from .cases import Case, expand
+from ..plan import ring_plan
+from .cases import Case, a2a_members, expand
 
 GIB = 2 ** 30
 RANK_OVERHEAD = 400 * 2 ** 20     # a rank's own process: the interpreter, torch, gloo (measured: ~350 MiB)
@@ -58,9 +59,32 @@ def applies(fault: Fault, case: Case, ranks: int) -> bool:
         schedule = case_traffic(case, ranks).schedule
         return (case.comm is not CommType.A2A and schedule is not None and schedule.kind is KVSchedule.DIRECT
                 and bool(schedule.kv_rows(1, 1)))
+    if fault is Fault.DOC_LEAK:
+        return _doc_leak_shows(case, ranks)
     if fault in RANK_FAILURES:
         return ranks > 1
     return True
+
+
+def _doc_leak_shows(case: Case, ranks: int) -> bool:
+    """Whether some rank's leaking tile (step 0, the pack's second document, its K/V rows widened
+    to the first document's) lets a row see a key it did not see before: not with one document,
+    nor with a window that sees no key before the diagonal."""
+    if len(case.docs) < 2:
+        return False
+    members = a2a_members(case.comm, ranks, case.a2a_size)
+    ring = ranks // members     # the ring that runs the plan (one rank under plain a2a)
+    spec = case.spec()
+    chunks = spec.chunks(case.shape.s, ring)
+    leak = Injected(Fault.DOC_LEAK)
+    for rank in range(ring):
+        plan = ring_plan(ring, rank, chunks, spec.band)
+        for tile, leaked in zip(plan.steps[0].tiles, leak.ring_plan(plan).steps[0].tiles):
+            n_q = tile.q_rows.stop - tile.q_rows.start
+            seen = tile.band.count(n_q, tile.kv_rows.stop - tile.kv_rows.start)
+            if leaked.band.count(n_q, leaked.kv_rows.stop - leaked.kv_rows.start) > seen:
+                return True
+    return False
 
 
 WHAT_IT_NEEDS = {
@@ -71,6 +95,8 @@ WHAT_IT_NEEDS = {
     Fault.SKIP_SINK_SLICE: "--softmax learnable with --comm a2a or a2a+p2p",
     Fault.DROP_HALO: ("a direct K/V schedule in which ring rank 0 sends ring rank 1 K/V rows (--comm p2p or "
                       "a2a+p2p with --kv-schedule direct, at least two ring ranks, a window with left >= 1 or none)"),
+    Fault.DOC_LEAK: ("a thd pack of two documents or more (--qkv-format thd with --seqlens or --docs >= 2) whose "
+                     "second document's rows can see a key before their own (a window with left >= 1, or none)"),
     Fault.STALL: "--ranks >= 2 (rank 1 stalls)",
     Fault.CRASH: "--ranks >= 2 (rank 1 crashes)",
 }

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .cases import CaseOptions, Settings
+from .cases import CaseOptions, Settings, check_pack_layer, merge_layers
 from .launcher import under_torchrun
 from .output import Output
 from .preflight import check_dist_backend
@@ -34,11 +34,13 @@ class Profile:
     groups: list
 
     def resolve(self, overrides: dict) -> list[Settings]:
-        """One ``Settings`` per group: profile, then group, then command line."""
+        """One ``Settings`` per group: profile, then group, then command line (``merge_layers``:
+        a later ``seqlens`` replaces an earlier ``seq_len`` and ``docs``, and the other way round)."""
+        check_pack_layer(self.settings, f" in profile {self.path}")
         out = []
-        for group in self.groups or [{}]:
-            merged = {**self.settings, **group, **{k: v for k, v in overrides.items() if v is not None}}
-            out.append(Settings(**merged))
+        for i, group in enumerate(self.groups or [{}]):
+            check_pack_layer(group, f" in profile {self.path} [[cases]] #{i + 1}")
+            out.append(Settings(**merge_layers([self.settings, group, overrides])))
         return out
 
 
@@ -57,6 +59,11 @@ def _expected(key: str, value) -> Optional[str]:
     if key == "window":
         ok = isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)
         return None if ok else "a list of two integers [LEFT, RIGHT], -1 unbounded, e.g. [128, 0]"
+    if key == "seqlens":
+        ok = isinstance(value, list) and value and all(type(v) is int and v >= 1 for v in value)
+        return None if ok else "a list of document lengths, positive integers, e.g. [96, 160, 256]"
+    if key == "docs":
+        return None if type(value) is int else "an integer, the number of random documents (no quotes)"
     if kind == "bool":
         return None if isinstance(value, bool) else "a TOML boolean: true or false (no quotes)"
     if kind == "int":
@@ -76,7 +83,7 @@ def _normalize(data: dict, where: str) -> dict:
             raise ValueError(f"{where}: {key} = {value!r} must be {expected}")
         if key in LIST_FIELDS:
             value = tuple(value) if isinstance(value, list) else (value,)
-        elif key == "window" and value is not None:
+        elif key in ("window", "seqlens") and value is not None:
             value = tuple(value)
         out[key] = value
     return out
@@ -126,9 +133,11 @@ def find(name: Optional[str]) -> Profile:
     return load(known[name], name)
 
 
-def settings_for(options: CaseOptions, ranks: Optional[int] = None) -> list[Settings]:
+def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple = ()) -> list[Settings]:
     """The validated ``Settings`` groups of a ``check`` or ``bench`` run: the profile, then the
-    command line (``ranks`` overrides ``options.ranks``; under torchrun the world size is it)."""
+    command line (``ranks`` overrides ``options.ranks``; under torchrun the world size is it).
+    A thd pack of random documents is drawn here, its lengths multiples of ``2 * cp`` for every cp
+    of ``cps`` (``bench --simulate``; default: the ranks)."""
     overrides = options.overrides()
     if ranks is not None:
         overrides["ranks"] = ranks
@@ -142,11 +151,16 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None) -> list[Sett
     for i, settings in enumerate(groups):
         try:
             settings.validate()
+            # the thd pack drawn once, here: every rank (and --simulate's every cp) gets these lengths
+            groups[i] = settings.with_documents(cps)
         except ValueError as exc:
             if profile.path is None:
                 raise
             group = f" [[cases]] #{i + 1}" if profile.groups else ""
             raise ValueError(f"{exc} (with the settings of profile {profile.path}{group})") from None
+    if options.batch not in (None, 1) and all(set(g.qkv_format) == {"thd"} for g in groups):
+        raise ValueError(f"--batch {options.batch}: a thd pack is one sequence of documents, its cases run with "
+                         f"b = 1; drop --batch, or add bshd or sbhd to --qkv-format (their cases take it)")
     first = groups[0]
     if any(gr.ranks != first.ranks or gr.device != first.device for gr in groups):
         raise ValueError("all [[cases]] of a profile must share ranks and device")

@@ -21,7 +21,7 @@ import pandas as pd
 from .output import STDOUT, Output, atomic_path, write_text
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h", "g", "d", "cp",
-             "kv_schedule", "backend", "simulated"]
+             "kv_schedule", "backend", "simulated", "docs"]
 COMM_KINDS = ("kv", "dkv", "a2a")
 
 # What a bench CSV must hold, and what report fills in when a CSV of an older (or newer) version
@@ -31,13 +31,13 @@ OPTIONAL_COLUMNS = {
     "timestamp": "", "start_ms": float("nan"), "end_ms": float("nan"), "overlap_ms": float("nan"),
     "exposed_ms": float("nan"), "comm": "", "softmax": "", "sink_strategy": "", "mask": "", "window": "",
     "dtype": "", "b": "", "s": "", "h": "", "g": "", "d": "", "cp": None,  # None: the number of ranks of the run
-    "a2a_size": "", "kv_schedule": "", "backend": "", "merges": "", "simulated": False, "predicted": False,
+    "docs": "", "a2a_size": "", "kv_schedule": "", "backend": "", "merges": "", "simulated": False, "predicted": False,
     "flops": float("nan"), "bytes": float("nan"), "device_name": "", "torch": "", "cudnn": "", "nccl": "",
     "sinkprof": "", "git_sha": "",
 }
 # Read as text, whatever they look like (a git sha "0123abc" keeps its leading zero).
 TEXT_COLUMNS = ("run_id", "timestamp", "phase", "kind", "comm", "softmax", "sink_strategy", "mask", "window",
-                "dtype", "backend", "merges", "a2a_size", "device_name", "torch", "cudnn", "nccl", "sinkprof",
+                "docs", "dtype", "backend", "merges", "a2a_size", "device_name", "torch", "cudnn", "nccl", "sinkprof",
                 "git_sha")
 INT_COLUMNS = ("rank", "iteration", "step")
 FLOAT_COLUMNS = ("dur_ms", "start_ms", "end_ms", "overlap_ms", "exposed_ms", "flops", "bytes")
