@@ -15,7 +15,8 @@ import pytest
 from sinkprof.tool import figures
 from sinkprof.tool.bench import BenchOptions, simulate
 from sinkprof.tool.cases import Settings
-from sinkprof.tool.report import CASE_KEYS, REQUIRED_COLUMNS, iteration_table, load, report, slugs, step_table
+from sinkprof.tool.report import (CASE_KEYS, REQUIRED_COLUMNS, iteration_table, label, load, report, slugs,
+                                  step_table)
 
 from conftest import run_cli
 from typer.testing import CliRunner
@@ -90,6 +91,45 @@ def test_slugs_add_only_what_tells_cases_apart():
     named = sorted(slugs(rows).values())
     assert named == ["a2a-p2p-off-by-one-no-mask-bf16-cp8-s128-040e0d", "a2a-p2p-off-by-one-no-mask-bf16-cp8-s128-abcdef",
                      "a2a-p2p-off-by-one-no-mask-bf16-cp8-s64", "a2a-p2p-vanilla-no-mask-w128-inf-bf16-cp8"]
+
+
+def _case(**changes) -> dict:
+    row = {k: "" for k in CASE_KEYS}
+    row.update(run_id="20261203-075527-040e0d", comm="p2p", softmax="learnable", sink_strategy="step0",
+               mask="causal", window="127,0", dtype="fp32", b=1, s=1024, h=8, g=2, d=64, cp=4, kv_schedule="ring",
+               backend="torch", simulated=False)
+    return dict(row, **changes)
+
+
+def test_label_says_the_kv_schedule():
+    ring, direct = label(_case()), label(_case(kv_schedule="direct"))
+    assert "kv=ring" in ring and "kv=direct" in direct and ring != direct
+    assert "kv=" not in label(_case(kv_schedule=""))  # a CSV older than the column, or no ring
+
+
+def test_slugs_tell_the_kv_schedules_apart_only_when_they_must():
+    rows = pd.DataFrame([_case(), _case(kv_schedule="direct")])
+    named = slugs(rows)
+    assert sorted(named.values()) == ["p2p-learnable-step0-causal-w127-0-fp32-cp4-kv-direct",
+                                      "p2p-learnable-step0-causal-w127-0-fp32-cp4-kv-ring"]
+    assert list(slugs(rows.iloc[:1]).values()) == ["p2p-learnable-step0-causal-w127-0-fp32-cp4"]
+    # differing by schedule and shape: the schedule first, the shape where it still clashes
+    four = pd.DataFrame([_case(), _case(kv_schedule="direct"), _case(s=2048), _case(s=2048, kv_schedule="direct")])
+    assert sorted(slugs(four).values()) == sorted(f"p2p-learnable-step0-causal-w127-0-fp32-cp4-kv-{kv}-s{s}"
+                                                  for kv in ("direct", "ring") for s in (1024, 2048))
+    # a case without a schedule (an older CSV) next to one with: no empty part
+    assert sorted(slugs(pd.DataFrame([_case(kv_schedule=""), _case()])).values()) == [
+        "p2p-learnable-step0-causal-w127-0-fp32-cp4", "p2p-learnable-step0-causal-w127-0-fp32-cp4-kv-ring"]
+
+
+def test_summary_labels_cases_by_kv_schedule():
+    its = pd.DataFrame([dict(_case(), phase="fwdbwd", predicted=False),
+                        dict(_case(kv_schedule="direct"), phase="fwdbwd", predicted=False)])
+    labels, common = figures.case_labels(its)
+    assert labels == ["kv=ring", "kv=direct"]
+    assert "kv=" not in common and "cp=4" in common
+    labels, common = figures.case_labels(its.iloc[:1])
+    assert "kv=ring" in common
 
 
 def test_summary_labels_cases_by_what_differs(csvs):

@@ -162,6 +162,8 @@ def _show(key: str, value) -> str:
         return "predicted" if value else ""
     if key == "sink_strategy":
         return str(value) or "no sink"
+    if key == "kv_schedule":
+        return f"kv={value}" if str(value) else ""
     return str(value)
 
 

@@ -248,6 +248,8 @@ def label(row) -> str:
     parts = [str(row["comm"]), str(row["softmax"]), str(row["mask"]), str(row["dtype"]), f"cp={row['cp']}"]
     if str(row.get("sink_strategy", "")):
         parts.insert(2, str(row["sink_strategy"]))
+    if str(row.get("kv_schedule", "")):
+        parts.append(f"kv={row['kv_schedule']}")
     if str(row.get("window", "")):
         parts.append(f"window={row['window']}")
     if row["simulated"]:
@@ -274,7 +276,8 @@ def run_part(run_id: str) -> str:
 def slugs(cases: pd.DataFrame) -> dict:
     """A short file-name slug per case (the tuple of its CASE_KEYS): ``comm-softmax[-strategy]-mask
     [-window]-dtype-cpN[-sim][-pred]``; cases that would share one add what tells them apart (the
-    shape, the backend, then the run), so a slug depends only on the cases read, in any order."""
+    K/V schedule as ``kv-ring`` or ``kv-direct``, the shape, the backend, then the run), so a slug
+    depends only on the cases read, in any order."""
     rows = cases.drop_duplicates(subset=CASE_KEYS)
     base = {}
     for _, r in rows.iterrows():
@@ -284,7 +287,9 @@ def slugs(cases: pd.DataFrame) -> dict:
         parts += ["sim"] if r["simulated"] else []
         parts += ["pred"] if r.get("predicted", False) else []
         base[tuple(r[k] for k in CASE_KEYS)] = [_slug_part(p) for p in parts if str(p)]
-    for extra in (lambda k: [f"{n}{k[CASE_KEYS.index(n)]}" for n in ("b", "s", "h", "g", "d")],
+    kv = CASE_KEYS.index("kv_schedule")
+    for extra in (lambda k: [f"kv-{k[kv]}" if k[kv] else ""],
+                  lambda k: [f"{n}{k[CASE_KEYS.index(n)]}" for n in ("b", "s", "h", "g", "d")],
                   lambda k: [k[CASE_KEYS.index("backend")]],
                   lambda k: [run_part(k[CASE_KEYS.index("run_id")])]):
         groups: dict = {}
@@ -296,7 +301,7 @@ def slugs(cases: pd.DataFrame) -> dict:
             extras = [extra(k) for k in keys]
             differs = [i for i in range(len(extras[0])) if len({e[i] for e in extras}) > 1]
             for key, e in zip(keys, extras):
-                base[key] = base[key] + [_slug_part(e[i]) for i in differs]
+                base[key] = base[key] + [_slug_part(e[i]) for i in differs if e[i]]
     named: dict = {}
     for key in sorted(base, key=lambda k: tuple(map(str, k))):
         slug = "-".join(base[key])
