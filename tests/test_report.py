@@ -206,6 +206,12 @@ def test_report_reads_a_csv_of_an_older_version(csvs, tmp_path):
     paths = report([old], str(tmp_path / "plots"))
     assert sorted(Path(p).name for p in paths) == ["p2p-learnable-causal-fp32-cp2-bwd.png",
                                                    "p2p-learnable-causal-fp32-cp2-fwd.png", "summary.png"]
+    res = _report(old, "--html", tmp_path / "old.html", "--chrome-trace", tmp_path / "old.json")
+    assert res.exit_code == 0, res.output
+    assert "sent MB" in res.stdout and "MB/iter" not in res.stdout and "kv=" not in res.stdout
+    events = json.loads((tmp_path / "old.json").read_text())["traceEvents"]
+    comm = [e for e in events if e.get("cat") == "communication"]
+    assert comm and not any("bytes" in e["args"] for e in comm)
 
 
 def test_markup_in_cells_prints_as_written_and_git_sha_keeps_its_zeros(csvs, tmp_path):

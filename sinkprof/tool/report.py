@@ -2,12 +2,14 @@
 ``sinkprof bench`` CSVs.
 
 One summary per run and case: per phase and ring step, the compute time, the communication time,
-how much of it overlapped compute and how much was exposed (medians over iterations, the slowest
-rank); per iteration the wall time of the slowest rank, the FLOP/s per GPU (per rank on the CPU,
-in the unit that fits) from the useful FLOPs (causal counted once), and the exposed share: the
-union of the exchanges' exposed parts (kv and dkv overlap in the backward; counted once) over the
-wall time. Pictures (``figures``), the page (``page``) and the trace
-(``chrome_trace``) are drawn from the same loaded frame.
+how much of it overlapped compute and how much was exposed, and the MB sent (medians over
+iterations, the slowest rank); per iteration the wall time of the slowest rank, the FLOP/s per GPU
+(per rank on the CPU, in the unit that fits) from the useful FLOPs (causal counted once), the
+exposed share: the union of the exchanges' exposed parts (kv and dkv overlap in the backward;
+counted once) over the wall time, and the MB sent by the rank that sent most. MB are decimal (1e6
+bytes), summed from the ``bytes`` of the communication rows; unknown (NaN, shown ``-``) for a CSV
+without them. Pictures (``figures``), the page (``page``) and the trace (``chrome_trace``) are
+drawn from the same loaded frame.
 """
 from __future__ import annotations
 
@@ -107,9 +109,21 @@ def _predicted(rows: pd.DataFrame, keys: list) -> pd.Series:
     return rows.groupby(keys)["predicted"].any().rename("predicted")
 
 
+def _sent_mb(df: pd.DataFrame, keys: list) -> pd.Series:
+    """MB (1e6 bytes) sent per group of ``keys`` (which end in ``rank``): the sum of the ``bytes`` of
+    its communication rows; 0 for a group without any, NaN for every group of a case whose
+    communication rows carry no bytes (a CSV older than the column, a run without communication)."""
+    comm = df[df["kind"].isin(COMM_KINDS)]
+    sent = comm.groupby(keys)["bytes"].sum(min_count=1).div(1e6).reindex(df.groupby(keys).size().index)
+    with_bytes = comm.dropna(subset=["bytes"]).groupby(CASE_KEYS).size().index
+    known = sent.index.droplevel([k for k in keys if k not in CASE_KEYS]).isin(with_bytes)
+    return sent.where(sent.notna() | ~known, 0.0).rename("sent_mb")
+
+
 def step_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (case, phase, step): compute, comm, overlap and exposed ms; medians over iterations of
-    the slowest rank; ``predicted`` when any of its rows is a prediction."""
+    """Per (case, phase, step): compute, comm, overlap and exposed ms and the MB sent (``sent_mb``,
+    NaN without bytes); medians over iterations of the slowest rank; ``predicted`` when any of its
+    rows is a prediction."""
     steps = df[df["step"] >= 0]
     if steps.empty:
         return pd.DataFrame()
@@ -121,6 +135,7 @@ def step_table(df: pd.DataFrame) -> pd.DataFrame:
     for col in ("comm_ms", "overlap_ms", "exposed_ms"):
         if col not in per.columns:
             per[col] = 0.0
+    per = per.join(_sent_mb(steps, keys + ["iteration", "rank"]))
     worst = per.groupby(level=keys + ["iteration"]).max()
     out = worst.groupby(level=keys).median().join(_predicted(steps, keys)).reset_index()
     order = out["phase"].map({"fwd": 0, "bwd": 1}).fillna(2)
@@ -130,8 +145,9 @@ def step_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def iteration_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per case and phase: wall ms of the slowest rank (median over iterations), TFLOP/s per GPU
-    (``per``: GPU, or rank on the CPU), and the exposed communication (``exposed_time``) and its
-    share of the wall time."""
+    (``per``: GPU, or rank on the CPU), the exposed communication (``exposed_time``) and its
+    share of the wall time, and ``sent_mb``: the MB sent per iteration by the rank that sent most
+    (median over iterations; NaN without bytes)."""
     it = df[df["kind"] == "iteration"]
     if it.empty:
         return pd.DataFrame()
@@ -151,6 +167,8 @@ def iteration_table(df: pd.DataFrame) -> pd.DataFrame:
         out["exposed_comm_ms"] = 0.0
     out["exposed_comm_ms"] = out["exposed_comm_ms"].fillna(0.0)
     out["exposed_pct"] = 100.0 * out["exposed_comm_ms"] / out["wall_ms"]
+    sent = _sent_mb(df, CASE_KEYS + ["iteration", "rank"]).groupby(level=CASE_KEYS + ["iteration"]).max()
+    out = out.merge(sent.groupby(level=CASE_KEYS).median().reset_index(), on=CASE_KEYS, how="left")
     has_comm = df.assign(has_comm=df["kind"].isin(COMM_KINDS)).groupby(CASE_KEYS)["has_comm"].any()
     out = out.merge(has_comm.reset_index(), on=CASE_KEYS, how="left")
     return out.merge(_predicted(df, CASE_KEYS).reset_index(), on=CASE_KEYS, how="left")
@@ -243,6 +261,17 @@ def case_key(row) -> dict:
     return {k: row[k] for k in CASE_KEYS}
 
 
+def mb_text(mb: float) -> str:
+    """MB (1e6 bytes) for a table cell; ``-`` when unknown (a CSV without bytes)."""
+    return "-" if mb != mb else f"{mb:.3f}"
+
+
+def sent_text(mb: float) -> str:
+    """The MB a case sent per iteration (the rank that sent most), for its title: ``, sent 1.835
+    MB/iter (most of any rank)``; nothing when unknown."""
+    return "" if mb != mb else f", sent {mb:.3f} MB/iter (most of any rank)"
+
+
 def label(row) -> str:
     """The whole case in words (titles)."""
     parts = [str(row["comm"]), str(row["softmax"]), str(row["mask"]), str(row["dtype"]), f"cp={row['cp']}"]
@@ -320,18 +349,19 @@ def summarize(df: pd.DataFrame, console) -> None:
     for _, row in its.iterrows():
         key = case_key(row)
         title = (f"{label(row)}: {row['phase']} {row['wall_ms']:.3f} ms/iter (slowest rank), "
-                 f"{flops_text(row['tflops_per_gpu'], row['per'])}, exposed comm {row['exposed_pct']:.1f}%")
+                 f"{flops_text(row['tflops_per_gpu'], row['per'])}, exposed comm {row['exposed_pct']:.1f}%"
+                 + sent_text(row["sent_mb"]))
         table = Table(title=Text(title))
         sel = select(steps, key)
         if not sel.empty and row["phase"] != "fwdbwd":
             sel = sel[sel["phase"] == row["phase"]]
         predicted = bool(row["predicted"])
-        for col in ("phase", "step", "compute ms", "comm ms", "overlap ms", "exposed ms") + (
+        for col in ("phase", "step", "compute ms", "comm ms", "overlap ms", "exposed ms", "sent MB") + (
                 ("source",) if predicted else ()):
             table.add_column(col, justify="right")
         for _, s in sel.iterrows():
             cells = [str(s["phase"]), str(int(s["step"])), f"{s['compute_ms']:.3f}", f"{s['comm_ms']:.3f}",
-                     f"{s['overlap_ms']:.3f}", f"{s['exposed_ms']:.3f}"]
+                     f"{s['overlap_ms']:.3f}", f"{s['exposed_ms']:.3f}", mb_text(s["sent_mb"])]
             if predicted:
                 cells.append("predicted" if s["predicted"] else "measured")
             table.add_row(*map(Text, cells))
@@ -352,6 +382,7 @@ def print_summary(rows: list) -> None:
     for col, default in OPTIONAL_COLUMNS.items():
         if col not in df.columns and col != "cp":
             df[col] = default
+    df["bytes"] = pd.to_numeric(df["bytes"], errors="coerce")  # compute rows hold ""
     for col in BOOL_COLUMNS:
         df[col] = df[col].map(_truth)
     keys = [k for k in CASE_KEYS if k not in BOOL_COLUMNS]
