@@ -174,6 +174,7 @@ def test_chrome_trace_has_every_rank_as_a_process_with_compute_and_communication
     assert len(computes) == (real["kind"] == "compute").sum() + (sim["kind"] == "compute").sum()
     comm = [e for e in spans if e["cat"] == "communication"]
     assert len(comm) == real["kind"].isin(["kv", "dkv"]).sum()
+    assert sorted(e["args"]["bytes"] for e in comm) == sorted(real[real["kind"].isin(["kv", "dkv"])]["bytes"])
     for e in (e for e in spans if e["cat"] == "exposed"):  # inside an exchange of its thread
         assert any(c["pid"] == e["pid"] and c["tid"] == e["tid"] and c["ts"] - 1e-3 <= e["ts"]
                    and e["ts"] + e["dur"] <= c["ts"] + c["dur"] + 1e-3 for c in comm)

@@ -2,7 +2,7 @@
 chrome://tracing. Each rank is a process (``pid`` = rank), its compute one thread and each kind of
 exchange (kv, dkv, a2a) one communication thread: exchanges of two kinds overlap in time, and the
 events of one thread must nest. Every row is an ``X`` (complete) event, ``ts`` and ``dur`` in
-microseconds; the exposed parts of an exchange are child events ``exposed`` inside it. Iterations
+microseconds, an exchange's ``args`` with the bytes it sent; the exposed parts of an exchange are child events ``exposed`` inside it. Iterations
 and cases follow one another on one time axis: each iteration starts when the slowest rank's
 previous one ended (each rank's times count from its own iteration start mark).
 """
@@ -53,6 +53,8 @@ def trace(df: pd.DataFrame) -> dict:
                         comm_tids.add(tid)
                         step = "" if int(r["step"]) < 0 else f" step {int(r['step'])}"
                         args.update(overlap_ms=r["overlap_ms"], exposed_ms=r["exposed_ms"])
+                        if r["bytes"] == r["bytes"]:  # a CSV older than the column has none
+                            args["bytes"] = int(r["bytes"])
                         events.append(_event(f"{r['phase']}{step} {r['kind']}{suffix}", "communication", rank, tid,
                                              ts, dur, args))
                         for a, b in exposed_spans(r, computes.get((r["phase"], int(r["step"])))):
