@@ -277,3 +277,26 @@ def test_the_page_renders_its_pictures_in_a_real_browser(written, tmp_path):
                    capture_output=True, timeout=60, check=True)
     assert _png_size(shot.read_bytes()) == (1280, 1600)
     assert _has_colour(shot, figures.COMPUTE)  # the pictures are on the screen, not only in the DOM
+
+
+def _minimal(csv, path, extra=()):
+    """``csv`` cut to the required columns (and ``extra``): a bench CSV of the oldest version read."""
+    pd.read_csv(csv)[list(REQUIRED_COLUMNS) + list(extra)].to_csv(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize("times", ["absent", "blank"])
+def test_a_csv_without_times_reports_without_timelines_and_says_so(csvs, tmp_path, times):
+    old = _minimal(csvs[0], tmp_path / "min.csv", extra=("start_ms", "end_ms") if times == "blank" else ())
+    if times == "blank":  # the columns, every cell empty
+        pd.read_csv(old).assign(start_ms="", end_ms="").to_csv(old, index=False)
+    res = _report(old, "--plot", tmp_path / "plots", "--html", tmp_path / "min.html")
+    assert res.exit_code == 0, res.output
+    assert "Traceback" not in res.output
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["summary.png"]
+    notes = [line for line in res.stderr.splitlines() if "start_ms" in line]
+    assert len(notes) == 1 and "end_ms" in notes[0] and "timeline" in notes[0], res.stderr
+    named = str(old) if times == "absent" else pd.read_csv(csvs[0])["run_id"].iloc[0]
+    assert named in notes[0]
+    page = (tmp_path / "min.html").read_text()
+    assert page.rstrip().endswith("</html>") and page.count("<img") == 1  # the summary figure only

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
+from typing import Optional
 
 import pandas as pd
 
-from .report import (CASE_KEYS, COMM_KINDS, exposed_spans, flops_unit, iteration_table, label, run_part,
-                     slugs)
+from .report import (CASE_KEYS, COMM_KINDS, TIME_COLUMNS, exposed_spans, flops_unit, iteration_table, label,
+                     run_part, slugs)
 
 COMPUTE = "#4C72B0"
 HIDDEN = "#55A868"
@@ -47,9 +48,12 @@ def draw(df: pd.DataFrame) -> Pictures:
     cases = its if not its.empty else df.drop_duplicates(CASE_KEYS)
     pictures = Pictures(slugs(cases.assign(predicted=cases.get("predicted", False))))
     for case, rows in df.groupby(CASE_KEYS, sort=False):
-        steps = rows[rows["kind"].isin(("compute",) + COMM_KINDS)]
+        # A timeline places spans by their times: rows without them (an older CSV) are not drawn.
+        steps = rows[rows["kind"].isin(("compute",) + COMM_KINDS)].dropna(subset=list(TIME_COLUMNS))
         for phase in [p for p in ("fwd", "bwd") if (steps["phase"] == p).any()]:
-            pictures.timelines[(case, phase)] = timeline(rows, phase)
+            png = timeline(rows, phase)
+            if png is not None:
+                pictures.timelines[(case, phase)] = png
     if not its.empty:
         pictures.summary = summary(its)
     return pictures
@@ -72,13 +76,16 @@ def median_iteration(rows: pd.DataFrame) -> tuple[int, int]:
     return int(walls.index[(len(walls) - 1) // 2]), len(walls)
 
 
-def timeline(rows: pd.DataFrame, phase: str) -> bytes:
-    """One case's timeline of ``phase`` (rows: every row of the case)."""
+def timeline(rows: pd.DataFrame, phase: str) -> Optional[bytes]:
+    """One case's timeline of ``phase`` (rows: every row of the case); None when the median
+    iteration has no span with start and end times to draw."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     it, n_its = median_iteration(rows)
     part = rows[(rows["iteration"] == it) & (rows["phase"] == phase)
-                & rows["kind"].isin(("compute",) + COMM_KINDS)].dropna(subset=["start_ms", "end_ms"])
+                & rows["kind"].isin(("compute",) + COMM_KINDS)].dropna(subset=list(TIME_COLUMNS))
+    if part.empty:
+        return None
     ranks = sorted(part["rank"].unique())
     kinds = [k for k in COMM_KINDS if (part["kind"] == k).any()]
     lanes_per_rank = 2 if kinds else 1

@@ -87,8 +87,11 @@ def _read_one(path) -> pd.DataFrame:
 
 
 def load(paths) -> pd.DataFrame:
-    """The rows of every CSV, with the optional columns an older CSV lacks filled in."""
-    df = pd.concat([_read_one(p) for p in paths], ignore_index=True)
+    """The rows of every CSV, with the optional columns an older CSV lacks filled in;
+    ``df.attrs["absent"]``: per file (as given) the optional columns it lacked."""
+    frames = [_read_one(p) for p in paths]
+    absent = {str(p): [c for c in OPTIONAL_COLUMNS if c not in f.columns] for p, f in zip(paths, frames)}
+    df = pd.concat(frames, ignore_index=True)
     for col, default in OPTIONAL_COLUMNS.items():
         if col not in df.columns:
             if col == "cp":
@@ -101,7 +104,36 @@ def load(paths) -> pd.DataFrame:
         df[col] = df[col].map(_truth)
     keys = [k for k in CASE_KEYS if k not in TEXT_COLUMNS and k not in BOOL_COLUMNS]
     df[keys] = df[keys].astype(object).where(df[keys].notna(), "")
+    df.attrs["absent"] = {path: cols for path, cols in absent.items() if cols}
     return df
+
+
+TIME_COLUMNS = ("start_ms", "end_ms")
+
+
+def untimed_cases(df: pd.DataFrame) -> list:
+    """The cases (tuples of CASE_KEYS) whose compute and communication rows carry no start and end
+    times (a CSV older than the columns): a timeline or a trace cannot place them."""
+    spans = df[df["kind"].isin(("compute",) + COMM_KINDS)]
+    timed = spans[list(TIME_COLUMNS)].notna().all(axis=1)
+    per_case = timed.groupby([spans[k] for k in CASE_KEYS], sort=False).any()
+    return [case for case, any_timed in per_case.items() if not any_timed]
+
+
+def untimed_note(df: pd.DataFrame, left_out: str) -> Optional[str]:
+    """One line for stderr when some cases have no times: which files lack the columns (or which
+    runs have them blank) and what ``left_out`` of them; None when every case has times."""
+    cases = untimed_cases(df)
+    if not cases:
+        return None
+    runs = sorted({case[CASE_KEYS.index("run_id")] for case in cases})
+    files = [path for path, cols in df.attrs.get("absent", {}).items() if set(TIME_COLUMNS) & set(cols)]
+    cols = ", ".join(TIME_COLUMNS)
+    where = (f"{', '.join(files)} {'has' if len(files) == 1 else 'have'} no {cols} columns" if files
+             else f"run{'s' if len(runs) > 1 else ''} {', '.join(runs)} {'have' if len(runs) > 1 else 'has'} "
+                  f"no {cols} values")
+    return f"sinkprof report: {where} (the times of each span): {left_out} left out for {len(cases)} " \
+           f"case{'s' if len(cases) > 1 else ''}; the rest of the report is written"
 
 
 def _predicted(rows: pd.DataFrame, keys: list) -> pd.Series:
@@ -411,6 +443,11 @@ def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), htm
     if STDOUT not in (html, chrome_trace):
         output.emit(table=lambda console: summarize(df, console))
     written = []
+    left_out = [what for what, wanted in (("timelines", plot_dir or html),
+                                          ("Chrome trace events", chrome_trace)) if wanted]
+    note = untimed_note(df, " and ".join(left_out)) if left_out else None
+    if note:
+        print(note, file=sys.stderr)
     if plot_dir or html:
         from . import figures
         pictures = figures.draw(df)
