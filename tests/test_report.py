@@ -300,3 +300,24 @@ def test_a_csv_without_times_reports_without_timelines_and_says_so(csvs, tmp_pat
     assert named in notes[0]
     page = (tmp_path / "min.html").read_text()
     assert page.rstrip().endswith("</html>") and page.count("<img") == 1  # the summary figure only
+
+
+def _strict_json(text: str):
+    """``json.loads`` that refuses NaN and Infinity (RFC 8259; Perfetto rejects them too)."""
+    return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+
+
+@pytest.mark.parametrize("extra", [None, ("start_ms", "end_ms"), ()], ids=["full", "times", "minimal"])
+def test_chrome_trace_is_strict_json_whatever_columns_the_csv_has(csvs, tmp_path, extra):
+    csv = csvs[0] if extra is None else _minimal(csvs[0], tmp_path / "cut.csv", extra)
+    res = _report(csv, "--chrome-trace", tmp_path / "trace.json")
+    assert res.exit_code == 0, res.output
+    doc = _strict_json((tmp_path / "trace.json").read_text())
+    comm = [e for e in doc["traceEvents"] if e.get("cat") == "communication"]
+    if extra == ():  # no times: no events to place, and a note that says so
+        assert not [e for e in doc["traceEvents"] if e["ph"] == "X"]
+        assert "Chrome trace" in res.stderr and "start_ms" in res.stderr
+        return
+    assert comm and "Chrome trace" not in res.stderr
+    for e in comm:  # an arg the CSV has no value for is left out, not NaN
+        assert ("overlap_ms" in e["args"]) == (extra is None) and ("exposed_ms" in e["args"]) == (extra is None)

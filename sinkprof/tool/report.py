@@ -464,6 +464,7 @@ def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), htm
     if chrome_trace:
         import json
         from .chrome_trace import trace
-        _write(chrome_trace, json.dumps(trace(df), separators=(",", ":")) + "\n")
+        # allow_nan=False: never NaN or Infinity (not JSON; trace() leaves unknown numbers out)
+        _write(chrome_trace, json.dumps(trace(df), separators=(",", ":"), allow_nan=False) + "\n")
         written += [chrome_trace] if chrome_trace != STDOUT else []
     return written
