@@ -188,6 +188,9 @@ def test_chrome_trace_has_every_rank_as_a_process_with_compute_and_communication
     (b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0", "binary file"),
     (b"name,age\nx,3\n", "missing columns run_id, rank, iteration, phase, step, kind, dur_ms"),
     (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,zero,0,fwd,0,compute,1.0\n", "column rank"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,inf\n", "column dur_ms"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,\n", "column dur_ms of data row 1 is empty"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms,start_ms\nr,0,0,fwd,0,compute,1,-Infinity\n", "column start_ms"),
 ])
 def test_report_refuses_what_is_not_a_bench_csv_naming_the_file(tmp_path, content, says):
     bad = tmp_path / "not-bench.csv"

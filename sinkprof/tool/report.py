@@ -76,12 +76,18 @@ def _read_one(path) -> pd.DataFrame:
         if col not in df.columns:
             continue
         values = pd.to_numeric(df[col], errors="coerce")
-        bad = values.isna() & df[col].notna()
+        # text, an infinity (no time or size is one; JSON and the pictures have none), or a blank
+        # cell of a required column
+        bad = (values.isna() & df[col].notna()) | values.isin([float("inf"), float("-inf")])
+        if col in REQUIRED_COLUMNS:
+            bad |= values.isna()
         if col in INT_COLUMNS:
-            bad |= values.isna() | (values.fillna(0) % 1 != 0)
+            bad |= values.fillna(0) % 1 != 0
         if bad.any():
             row = int(bad.to_numpy().nonzero()[0][0])
-            raise ValueError(f"{path}: column {col} of data row {row + 1} is {df[col].iloc[row]!r}, not a number")
+            cell = df[col].iloc[row]
+            raise ValueError(f"{path}: column {col} of data row {row + 1} is "
+                             f"{'empty' if pd.isna(cell) else repr(cell) if isinstance(cell, str) else cell}, not a finite number")
         df[col] = values.astype("int64") if col in INT_COLUMNS else values.astype(float)
     return df
 
