@@ -160,3 +160,45 @@ def test_a_csv_without_bytes_or_kv_schedule_reports_without_them(tmp_path):
     its = iteration_table(df)
     html = page(df, Pictures({tuple(r[k] for k in CASE_KEYS): "case" for _, r in its.iterrows()}), ["bench.csv"])
     assert [r[6] for r in _html_steps(html)] == ["-", "-"] and "most of any rank)</p>" not in html
+
+
+def _no_nan(text: str) -> bool:
+    return not re.search(r"\b(nan|inf)\b", text, re.I)
+
+
+def test_a_csv_without_overlap_or_times_says_unknown_not_zero(tmp_path):
+    """An older CSV without overlap_ms/exposed_ms (nor times) cannot tell hidden from exposed: the
+    tables show '-' and the share 'unknown', never 0 (which read as hidden) nor 'nan'."""
+    from sinkprof.tool import figures
+    df = _load(tmp_path, _rows(), drop=("overlap_ms", "exposed_ms", "start_ms", "end_ms"))
+    steps = step_table(df).set_index(["phase", "step"])
+    assert steps.loc[("bwd", 0), ["overlap_ms", "exposed_ms"]].isna().all()
+    its = iteration_table(df)
+    assert its[["exposed_comm_ms", "exposed_pct"]].isna().all(axis=None)
+    console = Console(file=io.StringIO(), width=200, record=True)
+    summarize(df, console)
+    text = console.export_text()
+    assert "exposed comm unknown" in " ".join(text.split()) and _no_nan(text), text
+    assert [r[4:6] for r in _cells(text)] == [["-", "-"]]
+    html = page(df, Pictures({tuple(r[k] for k in CASE_KEYS): "case" for _, r in its.iterrows()}), ["bench.csv"])
+    assert [r[4:6] for r in _html_steps(html)] == [["-", "-"]] and _no_nan(html)
+    assert "unknown (no exposed_ms)" in html and ">hidden<" not in html
+    assert figures.summary(its)[:4] == b"\x89PNG"
+
+
+def test_exposed_share_from_times_when_the_csv_has_no_exposed_column(tmp_path):
+    rows = [r for r in _rows() if r["kind"] != "a2a"]  # every exchange timed
+    df = _load(tmp_path, rows, drop=("overlap_ms", "exposed_ms"))
+    its = iteration_table(df)
+    assert its["exposed_comm_ms"].iloc[0] == 9.0 and its["exposed_pct"].iloc[0] == pytest.approx(90.0)
+    assert step_table(df)[["overlap_ms", "exposed_ms"]].isna().all(axis=None)
+    # an untimed exchange without exposed_ms leaves its rank, so the slowest rank, unknown
+    assert iteration_table(_load(tmp_path, _rows(), drop=("overlap_ms", "exposed_ms")))["exposed_pct"].isna().all()
+
+
+def test_a_zero_wall_time_gives_no_infinite_rate(tmp_path):
+    from sinkprof.tool import figures
+    rows = [dict(r, dur_ms=0.0, end_ms=r["start_ms"]) if r["kind"] == "iteration" else r for r in _rows()]
+    its = iteration_table(_load(tmp_path, rows))
+    assert its[["tflops_per_gpu", "exposed_pct"]].isna().all(axis=None)
+    assert figures.summary(its)[:4] == b"\x89PNG"

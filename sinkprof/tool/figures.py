@@ -195,20 +195,25 @@ def summary(its: pd.DataFrame) -> bytes:
     fig.subplots_adjust(top=1 - 0.6 / height)
     ys = list(range(n))
     hatches = ["//" if p else None for p in its["predicted"]]
+    # NaN (no flops column, an unknown exposed share): no bar, "unknown" written where it would be
     scale, unit = flops_unit(float(its["tflops_per_gpu"].fillna(0.0).max()))
+    known_flops, known_exposed = its["tflops_per_gpu"].notna().to_numpy(), its["exposed_pct"].notna().to_numpy()
     tflops = its["tflops_per_gpu"].fillna(0.0).to_numpy() * scale
     exposed = its["exposed_pct"].fillna(0.0).to_numpy()
     for y, v, h in zip(ys, tflops, hatches):
         left.barh(y, v, height=0.7, color=COMPUTE, hatch=h, edgecolor="white")
     for y, v, h in zip(ys, exposed, hatches):
         right.barh(y, v, height=0.7, color=EXPOSED, hatch=h, edgecolor="white")
-    tmax = max(float(tflops.max()), 1e-12)
+    tmax = max(float(tflops.max()), 1e-12) if known_flops.any() else 1.0
     left.set_xlim(0, tmax * 1.25)
+    if not known_flops.any():  # no scale to show
+        left.set_xticks([])
     right.set_xlim(0, max(115.0, float(exposed.max()) * 1.15))
-    for y, v in zip(ys, tflops):
-        left.text(v + tmax * 0.01, y, f"{v:.3g}", va="center", fontsize=8)
-    for y, (v, has_comm) in enumerate(zip(exposed, its["has_comm"])):
-        right.text(v + 1, y, f"{v:.1f}%" if has_comm else "no communication", va="center", fontsize=8)
+    for y, v, known in zip(ys, tflops, known_flops):
+        left.text(v + tmax * 0.01, y, f"{v:.3g}" if known else "unknown (no flops)", va="center", fontsize=8)
+    for y, (v, has_comm, known) in enumerate(zip(exposed, its["has_comm"], known_exposed)):
+        right.text(v + 1, y, "no communication" if not has_comm else f"{v:.1f}%" if known else "unknown",
+                   va="center", fontsize=8)
     left.set_yticks(ys, [f"{lab} (predicted)" if p else lab for lab, p in zip(labels, its["predicted"])],
                     fontsize=8)
     left.set_ylim(n - 0.5, -0.5)

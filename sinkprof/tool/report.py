@@ -158,23 +158,35 @@ def _sent_mb(df: pd.DataFrame, keys: list) -> pd.Series:
     return sent.where(sent.notna() | ~known, 0.0).rename("sent_mb")
 
 
+def _max_known(values, level: list):
+    """The largest of ``values`` (a Series or DataFrame) per group of the index ``level``; NaN where
+    one of the group's values is NaN (unknown): the slowest rank is not known then."""
+    groups = values.groupby(level=level)
+    return groups.max().where(~values.isna().groupby(level=level).any())
+
+
 def step_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per (case, phase, step): compute, comm, overlap and exposed ms and the MB sent (``sent_mb``,
     NaN without bytes); medians over iterations of the slowest rank; ``predicted`` when any of its
-    rows is a prediction."""
+    rows is a prediction. Overlap and exposed are 0 for a step without communication and NaN
+    (unknown) when its exchanges carry no ``overlap_ms``/``exposed_ms`` (an older CSV)."""
     steps = df[df["step"] >= 0]
     if steps.empty:
         return pd.DataFrame()
     keys = CASE_KEYS + ["phase", "step"]
     comp = steps[steps["kind"] == "compute"].groupby(keys + ["iteration", "rank"])["dur_ms"].sum()
     comm = steps[steps["kind"].isin(COMM_KINDS)].groupby(keys + ["iteration", "rank"])[
-        ["dur_ms", "overlap_ms", "exposed_ms"]].sum()
-    per = pd.concat([comp.rename("compute_ms"), comm.rename(columns={"dur_ms": "comm_ms"})], axis=1).fillna(0.0)
+        ["dur_ms", "overlap_ms", "exposed_ms"]].sum(min_count=1)
+    per = pd.concat([comp.rename("compute_ms"), comm.rename(columns={"dur_ms": "comm_ms"})], axis=1)
     for col in ("comm_ms", "overlap_ms", "exposed_ms"):
         if col not in per.columns:
             per[col] = 0.0
+    has_comm = per["comm_ms"].notna()
+    per["compute_ms"] = per["compute_ms"].fillna(0.0)
+    for col in ("comm_ms", "overlap_ms", "exposed_ms"):
+        per[col] = per[col].where(has_comm, 0.0)
     per = per.join(_sent_mb(steps, keys + ["iteration", "rank"]))
-    worst = per.groupby(level=keys + ["iteration"]).max()
+    worst = _max_known(per, keys + ["iteration"])
     out = worst.groupby(level=keys).median().join(_predicted(steps, keys)).reset_index()
     order = out["phase"].map({"fwd": 0, "bwd": 1}).fillna(2)
     return out.assign(_order=order).sort_values(CASE_KEYS + ["_order", "step"], kind="stable").drop(
@@ -185,30 +197,33 @@ def iteration_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per case and phase: wall ms of the slowest rank (median over iterations), TFLOP/s per GPU
     (``per``: GPU, or rank on the CPU), the exposed communication (``exposed_time``) and its
     share of the wall time, and ``sent_mb``: the MB sent per iteration by the rank that sent most
-    (median over iterations; NaN without bytes)."""
+    (median over iterations; NaN without bytes). The exposed time and share are NaN (unknown)
+    for a case whose exchanges have neither times nor ``exposed_ms``; throughput and share are NaN
+    for a wall time of 0."""
     it = df[df["kind"] == "iteration"]
     if it.empty:
         return pd.DataFrame()
     worst = it.groupby(CASE_KEYS + ["phase", "iteration"]).agg(wall_ms=("dur_ms", "max"), flops=("flops", "first"))
     out = worst.groupby(level=CASE_KEYS + ["phase"]).agg(wall_ms=("wall_ms", "median"), flops=("flops", "first"),
                                                          iterations=("wall_ms", "size")).reset_index()
-    out["tflops_per_gpu"] = out["flops"] / out["cp"].astype(float) / (out["wall_ms"] * 1e-3) / 1e12
+    wall = out["wall_ms"].where(out["wall_ms"] > 0)  # a 0 ms iteration has no rate
+    out["tflops_per_gpu"] = out["flops"] / out["cp"].astype(float) / (wall * 1e-3) / 1e12
     out = out.merge(df.groupby(CASE_KEYS)["device_name"].agg(per_device).rename("per").reset_index(),
                     on=CASE_KEYS, how="left")
     # A run measures one phase (fwd, bwd or fwdbwd): its communication rows belong to that phase.
     comm = exposed_time(df)
     if not comm.empty:
-        exposed = comm.groupby(level=CASE_KEYS + ["iteration"]).max().groupby(
+        exposed = _max_known(comm, CASE_KEYS + ["iteration"]).groupby(
             level=CASE_KEYS).median().rename("exposed_comm_ms").reset_index()
         out = out.merge(exposed, on=CASE_KEYS, how="left")
     else:
-        out["exposed_comm_ms"] = 0.0
-    out["exposed_comm_ms"] = out["exposed_comm_ms"].fillna(0.0)
-    out["exposed_pct"] = 100.0 * out["exposed_comm_ms"] / out["wall_ms"]
-    sent = _sent_mb(df, CASE_KEYS + ["iteration", "rank"]).groupby(level=CASE_KEYS + ["iteration"]).max()
-    out = out.merge(sent.groupby(level=CASE_KEYS).median().reset_index(), on=CASE_KEYS, how="left")
+        out["exposed_comm_ms"] = float("nan")
     has_comm = df.assign(has_comm=df["kind"].isin(COMM_KINDS)).groupby(CASE_KEYS)["has_comm"].any()
     out = out.merge(has_comm.reset_index(), on=CASE_KEYS, how="left")
+    out["exposed_comm_ms"] = out["exposed_comm_ms"].where(out["has_comm"], 0.0)  # no communication: 0
+    out["exposed_pct"] = 100.0 * out["exposed_comm_ms"] / wall
+    sent = _sent_mb(df, CASE_KEYS + ["iteration", "rank"]).groupby(level=CASE_KEYS + ["iteration"]).max()
+    out = out.merge(sent.groupby(level=CASE_KEYS).median().reset_index(), on=CASE_KEYS, how="left")
     return out.merge(_predicted(df, CASE_KEYS).reset_index(), on=CASE_KEYS, how="left")
 
 
@@ -237,7 +252,7 @@ def exposed_time(df: pd.DataFrame) -> pd.Series:
     """Exposed communication ms per (case, iteration, rank): the length of the union of the
     exchanges' exposed parts (``exposed_spans``), so time when two exchanges (kv and dkv in the
     backward) are both exposed counts once. A row without start and end times (it cannot be
-    placed) adds its ``exposed_ms``."""
+    placed) adds its ``exposed_ms``; NaN (unknown) when such a row has none."""
     keys = CASE_KEYS + ["iteration", "rank"]
     rows = df[df["kind"].isin(COMM_KINDS + ("compute",))]
     if not rows["kind"].isin(COMM_KINDS).any():
@@ -251,7 +266,8 @@ def exposed_time(df: pd.DataFrame) -> pd.Series:
         timed = comm["start_ms"].notna() & comm["end_ms"].notna()
         spans = [sp for _, r in comm[timed].iterrows()
                  for sp in exposed_spans(r, computes.get((r["phase"], int(r["step"]))))]
-        out[key] = union_ms(spans) + float(comm.loc[~timed, "exposed_ms"].fillna(0.0).sum())
+        untimed = comm.loc[~timed, "exposed_ms"]
+        out[key] = union_ms(spans) + (float(untimed.sum()) if untimed.notna().all() else float("nan"))
     return pd.Series(out, dtype=float).rename_axis(keys).rename("exposed_ms")
 
 
@@ -299,9 +315,19 @@ def case_key(row) -> dict:
     return {k: row[k] for k in CASE_KEYS}
 
 
+def num_text(value: float, spec: str = ".3f") -> str:
+    """A number for a table cell; ``-`` when unknown (NaN: a column the CSV lacks)."""
+    return "-" if value != value else format(value, spec)
+
+
 def mb_text(mb: float) -> str:
     """MB (1e6 bytes) for a table cell; ``-`` when unknown (a CSV without bytes)."""
-    return "-" if mb != mb else f"{mb:.3f}"
+    return num_text(mb)
+
+
+def exposed_text(pct: float) -> str:
+    """The exposed share for a title: ``exposed comm 12.3%``, or that it is unknown."""
+    return "exposed comm unknown (no exposed_ms or times)" if pct != pct else f"exposed comm {pct:.1f}%"
 
 
 def sent_text(mb: float) -> str:
@@ -387,7 +413,7 @@ def summarize(df: pd.DataFrame, console) -> None:
     for _, row in its.iterrows():
         key = case_key(row)
         title = (f"{label(row)}: {row['phase']} {row['wall_ms']:.3f} ms/iter (slowest rank), "
-                 f"{flops_text(row['tflops_per_gpu'], row['per'])}, exposed comm {row['exposed_pct']:.1f}%"
+                 f"{flops_text(row['tflops_per_gpu'], row['per'])}, {exposed_text(row['exposed_pct'])}"
                  + sent_text(row["sent_mb"]))
         table = Table(title=Text(title))
         sel = select(steps, key)
@@ -399,7 +425,7 @@ def summarize(df: pd.DataFrame, console) -> None:
             table.add_column(col, justify="right")
         for _, s in sel.iterrows():
             cells = [str(s["phase"]), str(int(s["step"])), f"{s['compute_ms']:.3f}", f"{s['comm_ms']:.3f}",
-                     f"{s['overlap_ms']:.3f}", f"{s['exposed_ms']:.3f}", mb_text(s["sent_mb"])]
+                     num_text(s["overlap_ms"]), num_text(s["exposed_ms"]), mb_text(s["sent_mb"])]
             if predicted:
                 cells.append("predicted" if s["predicted"] else "measured")
             table.add_row(*map(Text, cells))
