@@ -107,6 +107,15 @@ def test_label_says_the_kv_schedule():
     assert "kv=" not in label(_case(kv_schedule=""))  # a CSV older than the column, or no ring
 
 
+def test_label_leaves_out_what_an_older_csv_left_blank():
+    blank = _case(comm="", softmax="", sink_strategy="", mask="", window="", dtype="", b="", s="", h="", g="",
+                  d="", kv_schedule="", backend="")
+    assert label(blank) == "cp=4"  # not "////cp=4 b= s= h= g= d= ()"
+    assert label(dict(blank, s=64, backend="torch")) == "cp=4 s=64 (torch)"
+    _, common = figures.case_labels(pd.DataFrame([dict(blank, phase="fwd", predicted=False)]))
+    assert "b=" not in common and "cp=4" in common
+
+
 def test_slugs_tell_the_kv_schedules_apart_only_when_they_must():
     rows = pd.DataFrame([_case(), _case(kv_schedule="direct")])
     named = slugs(rows)

@@ -160,7 +160,7 @@ def _show(key: str, value) -> str:
     if key == "run_id":
         return f"run {run_part(value)}"
     if key in ("b", "s", "h", "g", "d", "cp"):
-        return f"{key}={value}"
+        return f"{key}={value}" if str(value) else ""
     if key == "window":
         return f"window={value}" if str(value) else "no window"
     if key == "simulated":

@@ -347,7 +347,10 @@ def label(row) -> str:
         parts.append(f"window={row['window']}")
     if row["simulated"]:
         parts.append("simulated")
-    text = "/".join(parts) + f" b={row['b']} s={row['s']} h={row['h']} g={row['g']} d={row['d']} ({row['backend']})"
+    # a CSV of an older version leaves some of these blank: they are left out, not "b= ()"
+    shape = " ".join(f"{k}={row[k]}" for k in ("b", "s", "h", "g", "d") if str(row[k]))
+    text = " ".join(filter(None, ("/".join(p for p in parts if p), shape,
+                                  f"({row['backend']})" if str(row["backend"]) else "")))
     return f"PREDICTION {text}" if row.get("predicted", False) else text
 
 
