@@ -15,7 +15,8 @@ import pytest
 from sinkprof.tool import figures
 from sinkprof.tool.bench import BenchOptions, simulate
 from sinkprof.tool.cases import Settings
-from sinkprof.tool.report import CASE_KEYS, REQUIRED_COLUMNS, iteration_table, load, report, slugs, step_table
+from sinkprof.tool.report import (CASE_KEYS, REQUIRED_COLUMNS, iteration_table, label, load, report, slugs,
+                                  step_table)
 
 from conftest import run_cli
 from typer.testing import CliRunner
@@ -92,6 +93,54 @@ def test_slugs_add_only_what_tells_cases_apart():
                      "a2a-p2p-off-by-one-no-mask-bf16-cp8-s64", "a2a-p2p-vanilla-no-mask-w128-inf-bf16-cp8"]
 
 
+def _case(**changes) -> dict:
+    row = {k: "" for k in CASE_KEYS}
+    row.update(run_id="20261203-075527-040e0d", comm="p2p", softmax="learnable", sink_strategy="step0",
+               mask="causal", window="127,0", dtype="fp32", b=1, s=1024, h=8, g=2, d=64, cp=4, kv_schedule="ring",
+               backend="torch", simulated=False)
+    return dict(row, **changes)
+
+
+def test_label_says_the_kv_schedule():
+    ring, direct = label(_case()), label(_case(kv_schedule="direct"))
+    assert "kv=ring" in ring and "kv=direct" in direct and ring != direct
+    assert "kv=" not in label(_case(kv_schedule=""))  # a CSV older than the column, or no ring
+
+
+def test_label_leaves_out_what_an_older_csv_left_blank():
+    blank = _case(comm="", softmax="", sink_strategy="", mask="", window="", dtype="", b="", s="", h="", g="",
+                  d="", kv_schedule="", backend="")
+    assert label(blank) == "cp=4"  # not "////cp=4 b= s= h= g= d= ()"
+    assert label(dict(blank, s=64, backend="torch")) == "cp=4 s=64 (torch)"
+    _, common = figures.case_labels(pd.DataFrame([dict(blank, phase="fwd", predicted=False)]))
+    assert "b=" not in common and "cp=4" in common
+
+
+def test_slugs_tell_the_kv_schedules_apart_only_when_they_must():
+    rows = pd.DataFrame([_case(), _case(kv_schedule="direct")])
+    named = slugs(rows)
+    assert sorted(named.values()) == ["p2p-learnable-step0-causal-w127-0-fp32-cp4-kv-direct",
+                                      "p2p-learnable-step0-causal-w127-0-fp32-cp4-kv-ring"]
+    assert list(slugs(rows.iloc[:1]).values()) == ["p2p-learnable-step0-causal-w127-0-fp32-cp4"]
+    # differing by schedule and shape: the schedule first, the shape where it still clashes
+    four = pd.DataFrame([_case(), _case(kv_schedule="direct"), _case(s=2048), _case(s=2048, kv_schedule="direct")])
+    assert sorted(slugs(four).values()) == sorted(f"p2p-learnable-step0-causal-w127-0-fp32-cp4-kv-{kv}-s{s}"
+                                                  for kv in ("direct", "ring") for s in (1024, 2048))
+    # a case without a schedule (an older CSV) next to one with: no empty part
+    assert sorted(slugs(pd.DataFrame([_case(kv_schedule=""), _case()])).values()) == [
+        "p2p-learnable-step0-causal-w127-0-fp32-cp4", "p2p-learnable-step0-causal-w127-0-fp32-cp4-kv-ring"]
+
+
+def test_summary_labels_cases_by_kv_schedule():
+    its = pd.DataFrame([dict(_case(), phase="fwdbwd", predicted=False),
+                        dict(_case(kv_schedule="direct"), phase="fwdbwd", predicted=False)])
+    labels, common = figures.case_labels(its)
+    assert labels == ["kv=ring", "kv=direct"]
+    assert "kv=" not in common and "cp=4" in common
+    labels, common = figures.case_labels(its.iloc[:1])
+    assert "kv=ring" in common
+
+
 def test_summary_labels_cases_by_what_differs(csvs):
     its = iteration_table(load(list(csvs)))
     labels, common = figures.case_labels(its)
@@ -134,6 +183,7 @@ def test_chrome_trace_has_every_rank_as_a_process_with_compute_and_communication
     assert len(computes) == (real["kind"] == "compute").sum() + (sim["kind"] == "compute").sum()
     comm = [e for e in spans if e["cat"] == "communication"]
     assert len(comm) == real["kind"].isin(["kv", "dkv"]).sum()
+    assert sorted(e["args"]["bytes"] for e in comm) == sorted(real[real["kind"].isin(["kv", "dkv"])]["bytes"])
     for e in (e for e in spans if e["cat"] == "exposed"):  # inside an exchange of its thread
         assert any(c["pid"] == e["pid"] and c["tid"] == e["tid"] and c["ts"] - 1e-3 <= e["ts"]
                    and e["ts"] + e["dur"] <= c["ts"] + c["dur"] + 1e-3 for c in comm)
@@ -147,6 +197,9 @@ def test_chrome_trace_has_every_rank_as_a_process_with_compute_and_communication
     (b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0", "binary file"),
     (b"name,age\nx,3\n", "missing columns run_id, rank, iteration, phase, step, kind, dur_ms"),
     (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,zero,0,fwd,0,compute,1.0\n", "column rank"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,inf\n", "column dur_ms"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,\n", "column dur_ms of data row 1 is empty"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms,start_ms\nr,0,0,fwd,0,compute,1,-Infinity\n", "column start_ms"),
 ])
 def test_report_refuses_what_is_not_a_bench_csv_naming_the_file(tmp_path, content, says):
     bad = tmp_path / "not-bench.csv"
@@ -166,6 +219,12 @@ def test_report_reads_a_csv_of_an_older_version(csvs, tmp_path):
     paths = report([old], str(tmp_path / "plots"))
     assert sorted(Path(p).name for p in paths) == ["p2p-learnable-causal-fp32-cp2-bwd.png",
                                                    "p2p-learnable-causal-fp32-cp2-fwd.png", "summary.png"]
+    res = _report(old, "--html", tmp_path / "old.html", "--chrome-trace", tmp_path / "old.json")
+    assert res.exit_code == 0, res.output
+    assert "sent MB" in res.stdout and "MB/iter" not in res.stdout and "kv=" not in res.stdout
+    events = json.loads((tmp_path / "old.json").read_text())["traceEvents"]
+    comm = [e for e in events if e.get("cat") == "communication"]
+    assert comm and not any("bytes" in e["args"] for e in comm)
 
 
 def test_markup_in_cells_prints_as_written_and_git_sha_keeps_its_zeros(csvs, tmp_path):
@@ -230,3 +289,47 @@ def test_the_page_renders_its_pictures_in_a_real_browser(written, tmp_path):
                    capture_output=True, timeout=60, check=True)
     assert _png_size(shot.read_bytes()) == (1280, 1600)
     assert _has_colour(shot, figures.COMPUTE)  # the pictures are on the screen, not only in the DOM
+
+
+def _minimal(csv, path, extra=()):
+    """``csv`` cut to the required columns (and ``extra``): a bench CSV of the oldest version read."""
+    pd.read_csv(csv)[list(REQUIRED_COLUMNS) + list(extra)].to_csv(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize("times", ["absent", "blank"])
+def test_a_csv_without_times_reports_without_timelines_and_says_so(csvs, tmp_path, times):
+    old = _minimal(csvs[0], tmp_path / "min.csv", extra=("start_ms", "end_ms") if times == "blank" else ())
+    if times == "blank":  # the columns, every cell empty
+        pd.read_csv(old).assign(start_ms="", end_ms="").to_csv(old, index=False)
+    res = _report(old, "--plot", tmp_path / "plots", "--html", tmp_path / "min.html")
+    assert res.exit_code == 0, res.output
+    assert "Traceback" not in res.output
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["summary.png"]
+    notes = [line for line in res.stderr.splitlines() if "start_ms" in line]
+    assert len(notes) == 1 and "end_ms" in notes[0] and "timeline" in notes[0], res.stderr
+    named = str(old) if times == "absent" else pd.read_csv(csvs[0])["run_id"].iloc[0]
+    assert named in notes[0]
+    page = (tmp_path / "min.html").read_text()
+    assert page.rstrip().endswith("</html>") and page.count("<img") == 1  # the summary figure only
+
+
+def _strict_json(text: str):
+    """``json.loads`` that refuses NaN and Infinity (RFC 8259; Perfetto rejects them too)."""
+    return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+
+
+@pytest.mark.parametrize("extra", [None, ("start_ms", "end_ms"), ()], ids=["full", "times", "minimal"])
+def test_chrome_trace_is_strict_json_whatever_columns_the_csv_has(csvs, tmp_path, extra):
+    csv = csvs[0] if extra is None else _minimal(csvs[0], tmp_path / "cut.csv", extra)
+    res = _report(csv, "--chrome-trace", tmp_path / "trace.json")
+    assert res.exit_code == 0, res.output
+    doc = _strict_json((tmp_path / "trace.json").read_text())
+    comm = [e for e in doc["traceEvents"] if e.get("cat") == "communication"]
+    if extra == ():  # no times: no events to place, and a note that says so
+        assert not [e for e in doc["traceEvents"] if e["ph"] == "X"]
+        assert "Chrome trace" in res.stderr and "start_ms" in res.stderr
+        return
+    assert comm and "Chrome trace" not in res.stderr
+    for e in comm:  # an arg the CSV has no value for is left out, not NaN
+        assert ("overlap_ms" in e["args"]) == (extra is None) and ("exposed_ms" in e["args"]) == (extra is None)

@@ -1,12 +1,16 @@
 """``sinkprof report --chrome-trace``: one Trace Event Format file of every rank, for Perfetto or
 chrome://tracing. Each rank is a process (``pid`` = rank), its compute one thread and each kind of
 exchange (kv, dkv, a2a) one communication thread: exchanges of two kinds overlap in time, and the
-events of one thread must nest. Every row is an ``X`` (complete) event, ``ts`` and ``dur`` in
-microseconds; the exposed parts of an exchange are child events ``exposed`` inside it. Iterations
-and cases follow one another on one time axis: each iteration starts when the slowest rank's
-previous one ended (each rank's times count from its own iteration start mark).
+events of one thread must nest. Every row with start and end times is an ``X`` (complete) event,
+``ts`` and ``dur`` in microseconds, an exchange's ``args`` with the bytes it sent; an arg the CSV
+has no value for is left out (JSON has no NaN). The exposed parts of an exchange are child events
+``exposed`` inside it. Iterations and cases follow one another on one time axis: each iteration
+starts when the slowest rank's previous one ended (each rank's times count from its own
+iteration start mark).
 """
 from __future__ import annotations
+
+import math
 
 import pandas as pd
 
@@ -17,9 +21,15 @@ COMM_TIDS = {"kv": 1, "dkv": 2, "a2a": 3}
 GAP_US = 50.0
 
 
+def _known(args: dict) -> dict:
+    """``args`` without the numbers the CSV has no value for (NaN: a column an older CSV lacks, a
+    blank cell): JSON has no NaN, and Perfetto refuses a file that writes one."""
+    return {k: v for k, v in args.items() if not (isinstance(v, float) and not math.isfinite(v))}
+
+
 def _event(name, cat, pid, tid, ts, dur, args=None) -> dict:
     return {"name": name, "cat": cat, "ph": "X", "pid": int(pid), "tid": tid, "ts": round(ts, 3),
-            "dur": round(max(dur, 0.0), 3), "args": args or {}}
+            "dur": round(max(dur, 0.0), 3), "args": _known(args or {})}
 
 
 def trace(df: pd.DataFrame) -> dict:
@@ -53,6 +63,8 @@ def trace(df: pd.DataFrame) -> dict:
                         comm_tids.add(tid)
                         step = "" if int(r["step"]) < 0 else f" step {int(r['step'])}"
                         args.update(overlap_ms=r["overlap_ms"], exposed_ms=r["exposed_ms"])
+                        if math.isfinite(r["bytes"]):  # a CSV older than the column has none
+                            args["bytes"] = int(r["bytes"])
                         events.append(_event(f"{r['phase']}{step} {r['kind']}{suffix}", "communication", rank, tid,
                                              ts, dur, args))
                         for a, b in exposed_spans(r, computes.get((r["phase"], int(r["step"])))):

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
+from typing import Optional
 
 import pandas as pd
 
-from .report import (CASE_KEYS, COMM_KINDS, exposed_spans, flops_unit, iteration_table, label, run_part,
-                     slugs)
+from .report import (CASE_KEYS, COMM_KINDS, TIME_COLUMNS, exposed_spans, flops_unit, iteration_table, label,
+                     run_part, slugs)
 
 COMPUTE = "#4C72B0"
 HIDDEN = "#55A868"
@@ -47,9 +48,12 @@ def draw(df: pd.DataFrame) -> Pictures:
     cases = its if not its.empty else df.drop_duplicates(CASE_KEYS)
     pictures = Pictures(slugs(cases.assign(predicted=cases.get("predicted", False))))
     for case, rows in df.groupby(CASE_KEYS, sort=False):
-        steps = rows[rows["kind"].isin(("compute",) + COMM_KINDS)]
+        # A timeline places spans by their times: rows without them (an older CSV) are not drawn.
+        steps = rows[rows["kind"].isin(("compute",) + COMM_KINDS)].dropna(subset=list(TIME_COLUMNS))
         for phase in [p for p in ("fwd", "bwd") if (steps["phase"] == p).any()]:
-            pictures.timelines[(case, phase)] = timeline(rows, phase)
+            png = timeline(rows, phase)
+            if png is not None:
+                pictures.timelines[(case, phase)] = png
     if not its.empty:
         pictures.summary = summary(its)
     return pictures
@@ -72,13 +76,16 @@ def median_iteration(rows: pd.DataFrame) -> tuple[int, int]:
     return int(walls.index[(len(walls) - 1) // 2]), len(walls)
 
 
-def timeline(rows: pd.DataFrame, phase: str) -> bytes:
-    """One case's timeline of ``phase`` (rows: every row of the case)."""
+def timeline(rows: pd.DataFrame, phase: str) -> Optional[bytes]:
+    """One case's timeline of ``phase`` (rows: every row of the case); None when the median
+    iteration has no span with start and end times to draw."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     it, n_its = median_iteration(rows)
     part = rows[(rows["iteration"] == it) & (rows["phase"] == phase)
-                & rows["kind"].isin(("compute",) + COMM_KINDS)].dropna(subset=["start_ms", "end_ms"])
+                & rows["kind"].isin(("compute",) + COMM_KINDS)].dropna(subset=list(TIME_COLUMNS))
+    if part.empty:
+        return None
     ranks = sorted(part["rank"].unique())
     kinds = [k for k in COMM_KINDS if (part["kind"] == k).any()]
     lanes_per_rank = 2 if kinds else 1
@@ -153,7 +160,7 @@ def _show(key: str, value) -> str:
     if key == "run_id":
         return f"run {run_part(value)}"
     if key in ("b", "s", "h", "g", "d", "cp"):
-        return f"{key}={value}"
+        return f"{key}={value}" if str(value) else ""
     if key == "window":
         return f"window={value}" if str(value) else "no window"
     if key == "simulated":
@@ -162,6 +169,8 @@ def _show(key: str, value) -> str:
         return "predicted" if value else ""
     if key == "sink_strategy":
         return str(value) or "no sink"
+    if key == "kv_schedule":
+        return f"kv={value}" if str(value) else ""
     return str(value)
 
 
@@ -186,20 +195,25 @@ def summary(its: pd.DataFrame) -> bytes:
     fig.subplots_adjust(top=1 - 0.6 / height)
     ys = list(range(n))
     hatches = ["//" if p else None for p in its["predicted"]]
+    # NaN (no flops column, an unknown exposed share): no bar, "unknown" written where it would be
     scale, unit = flops_unit(float(its["tflops_per_gpu"].fillna(0.0).max()))
+    known_flops, known_exposed = its["tflops_per_gpu"].notna().to_numpy(), its["exposed_pct"].notna().to_numpy()
     tflops = its["tflops_per_gpu"].fillna(0.0).to_numpy() * scale
     exposed = its["exposed_pct"].fillna(0.0).to_numpy()
     for y, v, h in zip(ys, tflops, hatches):
         left.barh(y, v, height=0.7, color=COMPUTE, hatch=h, edgecolor="white")
     for y, v, h in zip(ys, exposed, hatches):
         right.barh(y, v, height=0.7, color=EXPOSED, hatch=h, edgecolor="white")
-    tmax = max(float(tflops.max()), 1e-12)
+    tmax = max(float(tflops.max()), 1e-12) if known_flops.any() else 1.0
     left.set_xlim(0, tmax * 1.25)
+    if not known_flops.any():  # no scale to show
+        left.set_xticks([])
     right.set_xlim(0, max(115.0, float(exposed.max()) * 1.15))
-    for y, v in zip(ys, tflops):
-        left.text(v + tmax * 0.01, y, f"{v:.3g}", va="center", fontsize=8)
-    for y, (v, has_comm) in enumerate(zip(exposed, its["has_comm"])):
-        right.text(v + 1, y, f"{v:.1f}%" if has_comm else "no communication", va="center", fontsize=8)
+    for y, v, known in zip(ys, tflops, known_flops):
+        left.text(v + tmax * 0.01, y, f"{v:.3g}" if known else "unknown (no flops)", va="center", fontsize=8)
+    for y, (v, has_comm, known) in enumerate(zip(exposed, its["has_comm"], known_exposed)):
+        right.text(v + 1, y, "no communication" if not has_comm else f"{v:.1f}%" if known else "unknown",
+                   va="center", fontsize=8)
     left.set_yticks(ys, [f"{lab} (predicted)" if p else lab for lab, p in zip(labels, its["predicted"])],
                     fontsize=8)
     left.set_ylim(n - 0.5, -0.5)

@@ -1,6 +1,6 @@
 """``sinkprof report --html``: one self-contained page (no network: the pictures are inline PNGs,
 the style is inline) that shows a run at a glance: the summary across cases, then per case its
-numbers, its timelines and its per-step table."""
+numbers (with the MB sent), its timelines and its per-step table."""
 from __future__ import annotations
 
 import base64
@@ -10,7 +10,8 @@ from html import escape
 import pandas as pd
 
 from .figures import Pictures
-from .report import CASE_KEYS, case_key, flops_text, iteration_table, label, rank_table, select, step_table
+from .report import (CASE_KEYS, case_key, flops_text, iteration_table, label, mb_text, num_text, rank_table,
+                     select, sent_text, step_table)
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1250px; color: #222; }
@@ -40,6 +41,8 @@ def _hidden(s) -> str:
     """Whether a step's communication was hidden, in words (a share of 5% or less counts as hidden)."""
     if s["comm_ms"] <= 0:
         return "no communication"
+    if s["exposed_ms"] != s["exposed_ms"]:
+        return "unknown (no exposed_ms)"
     share = s["exposed_ms"] / s["comm_ms"]
     if share <= 0.05:
         return '<span class="hidden">hidden</span>'
@@ -63,10 +66,11 @@ def page(df: pd.DataFrame, pictures: Pictures, sources: list) -> str:
     if pictures.summary:
         parts.append(_img(pictures.summary, "summary across cases"))
     if not its.empty:
-        parts.append(_table(["case", "phase", "ms/iter", "FLOP/s", "exposed comm ms", "exposed %"],
+        parts.append(_table(["case", "phase", "ms/iter", "FLOP/s", "exposed comm ms", "exposed %",
+                             "sent MB/iter (most of any rank)"],
                             [[("PREDICTION " if r["predicted"] else "") + label(r).removeprefix("PREDICTION "),
                               r["phase"], f"{r['wall_ms']:.3f}", flops_text(r["tflops_per_gpu"], r["per"]),
-                              f"{r['exposed_comm_ms']:.3f}", f"{r['exposed_pct']:.1f}"]
+                              num_text(r["exposed_comm_ms"]), num_text(r["exposed_pct"], ".1f"), mb_text(r["sent_mb"])]
                              for _, r in its.iterrows()], text_cols=1))
     cases = its if not its.empty else df.drop_duplicates(CASE_KEYS)
     for _, row in cases.iterrows():
@@ -76,20 +80,23 @@ def page(df: pd.DataFrame, pictures: Pictures, sources: list) -> str:
         parts.append(f"<h2 id='{escape(pictures.slugs[case])}'>{badge}"
                      f"{escape(label(row).removeprefix('PREDICTION '))}</h2>")
         if "wall_ms" in row:
+            exposed = ("unknown (no exposed_ms or times)" if row["exposed_comm_ms"] != row["exposed_comm_ms"] else
+                       f"{row['exposed_comm_ms']:.3f} ms ({num_text(row['exposed_pct'], '.1f')}%)")
             parts.append(f"<p>{escape(str(row['phase']))}: {row['wall_ms']:.3f} ms per iteration (slowest rank), "
                          f"{flops_text(row['tflops_per_gpu'], row['per'])}, exposed communication "
-                         f"{row['exposed_comm_ms']:.3f} ms ({row['exposed_pct']:.1f}%)</p>")
+                         f"{exposed}{sent_text(row['sent_mb'])}</p>")
         for phase in ("fwd", "bwd"):
             if (case, phase) in pictures.timelines:
                 parts.append(_img(pictures.timelines[(case, phase)], f"timeline {pictures.slugs[case]} {phase}"))
         sel = select(steps, key)
         if not sel.empty:
-            header = ["phase", "step", "compute ms", "comm ms", "overlap ms", "exposed ms", "communication"]
+            header = ["phase", "step", "compute ms", "comm ms", "overlap ms", "exposed ms", "sent MB", "communication"]
             header += ["source"] if sel["predicted"].any() else []
             body = []
             for _, s in sel.iterrows():
                 cells = [escape(str(s["phase"])), str(int(s["step"])), f"{s['compute_ms']:.3f}",
-                         f"{s['comm_ms']:.3f}", f"{s['overlap_ms']:.3f}", f"{s['exposed_ms']:.3f}", _hidden(s)]
+                         f"{s['comm_ms']:.3f}", num_text(s["overlap_ms"]), num_text(s["exposed_ms"]),
+                         mb_text(s["sent_mb"]), _hidden(s)]
                 cells += (["predicted" if s["predicted"] else "measured"] if sel["predicted"].any() else [])
                 body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
             parts.append("<table><tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>" + "".join(body)

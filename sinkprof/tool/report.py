@@ -2,12 +2,14 @@
 ``sinkprof bench`` CSVs.
 
 One summary per run and case: per phase and ring step, the compute time, the communication time,
-how much of it overlapped compute and how much was exposed (medians over iterations, the slowest
-rank); per iteration the wall time of the slowest rank, the FLOP/s per GPU (per rank on the CPU,
-in the unit that fits) from the useful FLOPs (causal counted once), and the exposed share: the
-union of the exchanges' exposed parts (kv and dkv overlap in the backward; counted once) over the
-wall time. Pictures (``figures``), the page (``page``) and the trace
-(``chrome_trace``) are drawn from the same loaded frame.
+how much of it overlapped compute and how much was exposed, and the MB sent (medians over
+iterations, the slowest rank); per iteration the wall time of the slowest rank, the FLOP/s per GPU
+(per rank on the CPU, in the unit that fits) from the useful FLOPs (causal counted once), the
+exposed share: the union of the exchanges' exposed parts (kv and dkv overlap in the backward;
+counted once) over the wall time, and the MB sent by the rank that sent most. MB are decimal (1e6
+bytes), summed from the ``bytes`` of the communication rows; unknown (NaN, shown ``-``) for a CSV
+without them. Pictures (``figures``), the page (``page``) and the trace (``chrome_trace``) are
+drawn from the same loaded frame.
 """
 from __future__ import annotations
 
@@ -74,19 +76,28 @@ def _read_one(path) -> pd.DataFrame:
         if col not in df.columns:
             continue
         values = pd.to_numeric(df[col], errors="coerce")
-        bad = values.isna() & df[col].notna()
+        # text, an infinity (no time or size is one; JSON and the pictures have none), or a blank
+        # cell of a required column
+        bad = (values.isna() & df[col].notna()) | values.isin([float("inf"), float("-inf")])
+        if col in REQUIRED_COLUMNS:
+            bad |= values.isna()
         if col in INT_COLUMNS:
-            bad |= values.isna() | (values.fillna(0) % 1 != 0)
+            bad |= values.fillna(0) % 1 != 0
         if bad.any():
             row = int(bad.to_numpy().nonzero()[0][0])
-            raise ValueError(f"{path}: column {col} of data row {row + 1} is {df[col].iloc[row]!r}, not a number")
+            cell = df[col].iloc[row]
+            raise ValueError(f"{path}: column {col} of data row {row + 1} is "
+                             f"{'empty' if pd.isna(cell) else repr(cell) if isinstance(cell, str) else cell}, not a finite number")
         df[col] = values.astype("int64") if col in INT_COLUMNS else values.astype(float)
     return df
 
 
 def load(paths) -> pd.DataFrame:
-    """The rows of every CSV, with the optional columns an older CSV lacks filled in."""
-    df = pd.concat([_read_one(p) for p in paths], ignore_index=True)
+    """The rows of every CSV, with the optional columns an older CSV lacks filled in;
+    ``df.attrs["absent"]``: per file (as given) the optional columns it lacked."""
+    frames = [_read_one(p) for p in paths]
+    absent = {str(p): [c for c in OPTIONAL_COLUMNS if c not in f.columns] for p, f in zip(paths, frames)}
+    df = pd.concat(frames, ignore_index=True)
     for col, default in OPTIONAL_COLUMNS.items():
         if col not in df.columns:
             if col == "cp":
@@ -99,7 +110,36 @@ def load(paths) -> pd.DataFrame:
         df[col] = df[col].map(_truth)
     keys = [k for k in CASE_KEYS if k not in TEXT_COLUMNS and k not in BOOL_COLUMNS]
     df[keys] = df[keys].astype(object).where(df[keys].notna(), "")
+    df.attrs["absent"] = {path: cols for path, cols in absent.items() if cols}
     return df
+
+
+TIME_COLUMNS = ("start_ms", "end_ms")
+
+
+def untimed_cases(df: pd.DataFrame) -> list:
+    """The cases (tuples of CASE_KEYS) whose compute and communication rows carry no start and end
+    times (a CSV older than the columns): a timeline or a trace cannot place them."""
+    spans = df[df["kind"].isin(("compute",) + COMM_KINDS)]
+    timed = spans[list(TIME_COLUMNS)].notna().all(axis=1)
+    per_case = timed.groupby([spans[k] for k in CASE_KEYS], sort=False).any()
+    return [case for case, any_timed in per_case.items() if not any_timed]
+
+
+def untimed_note(df: pd.DataFrame, left_out: str) -> Optional[str]:
+    """One line for stderr when some cases have no times: which files lack the columns (or which
+    runs have them blank) and what ``left_out`` of them; None when every case has times."""
+    cases = untimed_cases(df)
+    if not cases:
+        return None
+    runs = sorted({case[CASE_KEYS.index("run_id")] for case in cases})
+    files = [path for path, cols in df.attrs.get("absent", {}).items() if set(TIME_COLUMNS) & set(cols)]
+    cols = ", ".join(TIME_COLUMNS)
+    where = (f"{', '.join(files)} {'has' if len(files) == 1 else 'have'} no {cols} columns" if files
+             else f"run{'s' if len(runs) > 1 else ''} {', '.join(runs)} {'have' if len(runs) > 1 else 'has'} "
+                  f"no {cols} values")
+    return f"sinkprof report: {where} (the times of each span): {left_out} left out for {len(cases)} " \
+           f"case{'s' if len(cases) > 1 else ''}; the rest of the report is written"
 
 
 def _predicted(rows: pd.DataFrame, keys: list) -> pd.Series:
@@ -107,21 +147,46 @@ def _predicted(rows: pd.DataFrame, keys: list) -> pd.Series:
     return rows.groupby(keys)["predicted"].any().rename("predicted")
 
 
+def _sent_mb(df: pd.DataFrame, keys: list) -> pd.Series:
+    """MB (1e6 bytes) sent per group of ``keys`` (which end in ``rank``): the sum of the ``bytes`` of
+    its communication rows; 0 for a group without any, NaN for every group of a case whose
+    communication rows carry no bytes (a CSV older than the column, a run without communication)."""
+    comm = df[df["kind"].isin(COMM_KINDS)]
+    sent = comm.groupby(keys)["bytes"].sum(min_count=1).div(1e6).reindex(df.groupby(keys).size().index)
+    with_bytes = comm.dropna(subset=["bytes"]).groupby(CASE_KEYS).size().index
+    known = sent.index.droplevel([k for k in keys if k not in CASE_KEYS]).isin(with_bytes)
+    return sent.where(sent.notna() | ~known, 0.0).rename("sent_mb")
+
+
+def _max_known(values, level: list):
+    """The largest of ``values`` (a Series or DataFrame) per group of the index ``level``; NaN where
+    one of the group's values is NaN (unknown): the slowest rank is not known then."""
+    groups = values.groupby(level=level)
+    return groups.max().where(~values.isna().groupby(level=level).any())
+
+
 def step_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (case, phase, step): compute, comm, overlap and exposed ms; medians over iterations of
-    the slowest rank; ``predicted`` when any of its rows is a prediction."""
+    """Per (case, phase, step): compute, comm, overlap and exposed ms and the MB sent (``sent_mb``,
+    NaN without bytes); medians over iterations of the slowest rank; ``predicted`` when any of its
+    rows is a prediction. Overlap and exposed are 0 for a step without communication and NaN
+    (unknown) when its exchanges carry no ``overlap_ms``/``exposed_ms`` (an older CSV)."""
     steps = df[df["step"] >= 0]
     if steps.empty:
         return pd.DataFrame()
     keys = CASE_KEYS + ["phase", "step"]
     comp = steps[steps["kind"] == "compute"].groupby(keys + ["iteration", "rank"])["dur_ms"].sum()
     comm = steps[steps["kind"].isin(COMM_KINDS)].groupby(keys + ["iteration", "rank"])[
-        ["dur_ms", "overlap_ms", "exposed_ms"]].sum()
-    per = pd.concat([comp.rename("compute_ms"), comm.rename(columns={"dur_ms": "comm_ms"})], axis=1).fillna(0.0)
+        ["dur_ms", "overlap_ms", "exposed_ms"]].sum(min_count=1)
+    per = pd.concat([comp.rename("compute_ms"), comm.rename(columns={"dur_ms": "comm_ms"})], axis=1)
     for col in ("comm_ms", "overlap_ms", "exposed_ms"):
         if col not in per.columns:
             per[col] = 0.0
-    worst = per.groupby(level=keys + ["iteration"]).max()
+    has_comm = per["comm_ms"].notna()
+    per["compute_ms"] = per["compute_ms"].fillna(0.0)
+    for col in ("comm_ms", "overlap_ms", "exposed_ms"):
+        per[col] = per[col].where(has_comm, 0.0)
+    per = per.join(_sent_mb(steps, keys + ["iteration", "rank"]))
+    worst = _max_known(per, keys + ["iteration"])
     out = worst.groupby(level=keys).median().join(_predicted(steps, keys)).reset_index()
     order = out["phase"].map({"fwd": 0, "bwd": 1}).fillna(2)
     return out.assign(_order=order).sort_values(CASE_KEYS + ["_order", "step"], kind="stable").drop(
@@ -130,29 +195,35 @@ def step_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def iteration_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per case and phase: wall ms of the slowest rank (median over iterations), TFLOP/s per GPU
-    (``per``: GPU, or rank on the CPU), and the exposed communication (``exposed_time``) and its
-    share of the wall time."""
+    (``per``: GPU, or rank on the CPU), the exposed communication (``exposed_time``) and its
+    share of the wall time, and ``sent_mb``: the MB sent per iteration by the rank that sent most
+    (median over iterations; NaN without bytes). The exposed time and share are NaN (unknown)
+    for a case whose exchanges have neither times nor ``exposed_ms``; throughput and share are NaN
+    for a wall time of 0."""
     it = df[df["kind"] == "iteration"]
     if it.empty:
         return pd.DataFrame()
     worst = it.groupby(CASE_KEYS + ["phase", "iteration"]).agg(wall_ms=("dur_ms", "max"), flops=("flops", "first"))
     out = worst.groupby(level=CASE_KEYS + ["phase"]).agg(wall_ms=("wall_ms", "median"), flops=("flops", "first"),
                                                          iterations=("wall_ms", "size")).reset_index()
-    out["tflops_per_gpu"] = out["flops"] / out["cp"].astype(float) / (out["wall_ms"] * 1e-3) / 1e12
+    wall = out["wall_ms"].where(out["wall_ms"] > 0)  # a 0 ms iteration has no rate
+    out["tflops_per_gpu"] = out["flops"] / out["cp"].astype(float) / (wall * 1e-3) / 1e12
     out = out.merge(df.groupby(CASE_KEYS)["device_name"].agg(per_device).rename("per").reset_index(),
                     on=CASE_KEYS, how="left")
     # A run measures one phase (fwd, bwd or fwdbwd): its communication rows belong to that phase.
     comm = exposed_time(df)
     if not comm.empty:
-        exposed = comm.groupby(level=CASE_KEYS + ["iteration"]).max().groupby(
+        exposed = _max_known(comm, CASE_KEYS + ["iteration"]).groupby(
             level=CASE_KEYS).median().rename("exposed_comm_ms").reset_index()
         out = out.merge(exposed, on=CASE_KEYS, how="left")
     else:
-        out["exposed_comm_ms"] = 0.0
-    out["exposed_comm_ms"] = out["exposed_comm_ms"].fillna(0.0)
-    out["exposed_pct"] = 100.0 * out["exposed_comm_ms"] / out["wall_ms"]
+        out["exposed_comm_ms"] = float("nan")
     has_comm = df.assign(has_comm=df["kind"].isin(COMM_KINDS)).groupby(CASE_KEYS)["has_comm"].any()
     out = out.merge(has_comm.reset_index(), on=CASE_KEYS, how="left")
+    out["exposed_comm_ms"] = out["exposed_comm_ms"].where(out["has_comm"], 0.0)  # no communication: 0
+    out["exposed_pct"] = 100.0 * out["exposed_comm_ms"] / wall
+    sent = _sent_mb(df, CASE_KEYS + ["iteration", "rank"]).groupby(level=CASE_KEYS + ["iteration"]).max()
+    out = out.merge(sent.groupby(level=CASE_KEYS).median().reset_index(), on=CASE_KEYS, how="left")
     return out.merge(_predicted(df, CASE_KEYS).reset_index(), on=CASE_KEYS, how="left")
 
 
@@ -181,7 +252,7 @@ def exposed_time(df: pd.DataFrame) -> pd.Series:
     """Exposed communication ms per (case, iteration, rank): the length of the union of the
     exchanges' exposed parts (``exposed_spans``), so time when two exchanges (kv and dkv in the
     backward) are both exposed counts once. A row without start and end times (it cannot be
-    placed) adds its ``exposed_ms``."""
+    placed) adds its ``exposed_ms``; NaN (unknown) when such a row has none."""
     keys = CASE_KEYS + ["iteration", "rank"]
     rows = df[df["kind"].isin(COMM_KINDS + ("compute",))]
     if not rows["kind"].isin(COMM_KINDS).any():
@@ -195,7 +266,8 @@ def exposed_time(df: pd.DataFrame) -> pd.Series:
         timed = comm["start_ms"].notna() & comm["end_ms"].notna()
         spans = [sp for _, r in comm[timed].iterrows()
                  for sp in exposed_spans(r, computes.get((r["phase"], int(r["step"]))))]
-        out[key] = union_ms(spans) + float(comm.loc[~timed, "exposed_ms"].fillna(0.0).sum())
+        untimed = comm.loc[~timed, "exposed_ms"]
+        out[key] = union_ms(spans) + (float(untimed.sum()) if untimed.notna().all() else float("nan"))
     return pd.Series(out, dtype=float).rename_axis(keys).rename("exposed_ms")
 
 
@@ -243,16 +315,42 @@ def case_key(row) -> dict:
     return {k: row[k] for k in CASE_KEYS}
 
 
+def num_text(value: float, spec: str = ".3f") -> str:
+    """A number for a table cell; ``-`` when unknown (NaN: a column the CSV lacks)."""
+    return "-" if value != value else format(value, spec)
+
+
+def mb_text(mb: float) -> str:
+    """MB (1e6 bytes) for a table cell; ``-`` when unknown (a CSV without bytes)."""
+    return num_text(mb)
+
+
+def exposed_text(pct: float) -> str:
+    """The exposed share for a title: ``exposed comm 12.3%``, or that it is unknown."""
+    return "exposed comm unknown (no exposed_ms or times)" if pct != pct else f"exposed comm {pct:.1f}%"
+
+
+def sent_text(mb: float) -> str:
+    """The MB a case sent per iteration (the rank that sent most), for its title: ``, sent 1.835
+    MB/iter (most of any rank)``; nothing when unknown."""
+    return "" if mb != mb else f", sent {mb:.3f} MB/iter (most of any rank)"
+
+
 def label(row) -> str:
     """The whole case in words (titles)."""
     parts = [str(row["comm"]), str(row["softmax"]), str(row["mask"]), str(row["dtype"]), f"cp={row['cp']}"]
     if str(row.get("sink_strategy", "")):
         parts.insert(2, str(row["sink_strategy"]))
+    if str(row.get("kv_schedule", "")):
+        parts.append(f"kv={row['kv_schedule']}")
     if str(row.get("window", "")):
         parts.append(f"window={row['window']}")
     if row["simulated"]:
         parts.append("simulated")
-    text = "/".join(parts) + f" b={row['b']} s={row['s']} h={row['h']} g={row['g']} d={row['d']} ({row['backend']})"
+    # a CSV of an older version leaves some of these blank: they are left out, not "b= ()"
+    shape = " ".join(f"{k}={row[k]}" for k in ("b", "s", "h", "g", "d") if str(row[k]))
+    text = " ".join(filter(None, ("/".join(p for p in parts if p), shape,
+                                  f"({row['backend']})" if str(row["backend"]) else "")))
     return f"PREDICTION {text}" if row.get("predicted", False) else text
 
 
@@ -274,7 +372,8 @@ def run_part(run_id: str) -> str:
 def slugs(cases: pd.DataFrame) -> dict:
     """A short file-name slug per case (the tuple of its CASE_KEYS): ``comm-softmax[-strategy]-mask
     [-window]-dtype-cpN[-sim][-pred]``; cases that would share one add what tells them apart (the
-    shape, the backend, then the run), so a slug depends only on the cases read, in any order."""
+    K/V schedule as ``kv-ring`` or ``kv-direct``, the shape, the backend, then the run), so a slug
+    depends only on the cases read, in any order."""
     rows = cases.drop_duplicates(subset=CASE_KEYS)
     base = {}
     for _, r in rows.iterrows():
@@ -284,7 +383,9 @@ def slugs(cases: pd.DataFrame) -> dict:
         parts += ["sim"] if r["simulated"] else []
         parts += ["pred"] if r.get("predicted", False) else []
         base[tuple(r[k] for k in CASE_KEYS)] = [_slug_part(p) for p in parts if str(p)]
-    for extra in (lambda k: [f"{n}{k[CASE_KEYS.index(n)]}" for n in ("b", "s", "h", "g", "d")],
+    kv = CASE_KEYS.index("kv_schedule")
+    for extra in (lambda k: [f"kv-{k[kv]}" if k[kv] else ""],
+                  lambda k: [f"{n}{k[CASE_KEYS.index(n)]}" for n in ("b", "s", "h", "g", "d")],
                   lambda k: [k[CASE_KEYS.index("backend")]],
                   lambda k: [run_part(k[CASE_KEYS.index("run_id")])]):
         groups: dict = {}
@@ -296,7 +397,7 @@ def slugs(cases: pd.DataFrame) -> dict:
             extras = [extra(k) for k in keys]
             differs = [i for i in range(len(extras[0])) if len({e[i] for e in extras}) > 1]
             for key, e in zip(keys, extras):
-                base[key] = base[key] + [_slug_part(e[i]) for i in differs]
+                base[key] = base[key] + [_slug_part(e[i]) for i in differs if e[i]]
     named: dict = {}
     for key in sorted(base, key=lambda k: tuple(map(str, k))):
         slug = "-".join(base[key])
@@ -315,18 +416,19 @@ def summarize(df: pd.DataFrame, console) -> None:
     for _, row in its.iterrows():
         key = case_key(row)
         title = (f"{label(row)}: {row['phase']} {row['wall_ms']:.3f} ms/iter (slowest rank), "
-                 f"{flops_text(row['tflops_per_gpu'], row['per'])}, exposed comm {row['exposed_pct']:.1f}%")
+                 f"{flops_text(row['tflops_per_gpu'], row['per'])}, {exposed_text(row['exposed_pct'])}"
+                 + sent_text(row["sent_mb"]))
         table = Table(title=Text(title))
         sel = select(steps, key)
         if not sel.empty and row["phase"] != "fwdbwd":
             sel = sel[sel["phase"] == row["phase"]]
         predicted = bool(row["predicted"])
-        for col in ("phase", "step", "compute ms", "comm ms", "overlap ms", "exposed ms") + (
+        for col in ("phase", "step", "compute ms", "comm ms", "overlap ms", "exposed ms", "sent MB") + (
                 ("source",) if predicted else ()):
             table.add_column(col, justify="right")
         for _, s in sel.iterrows():
             cells = [str(s["phase"]), str(int(s["step"])), f"{s['compute_ms']:.3f}", f"{s['comm_ms']:.3f}",
-                     f"{s['overlap_ms']:.3f}", f"{s['exposed_ms']:.3f}"]
+                     num_text(s["overlap_ms"]), num_text(s["exposed_ms"]), mb_text(s["sent_mb"])]
             if predicted:
                 cells.append("predicted" if s["predicted"] else "measured")
             table.add_row(*map(Text, cells))
@@ -347,6 +449,7 @@ def print_summary(rows: list) -> None:
     for col, default in OPTIONAL_COLUMNS.items():
         if col not in df.columns and col != "cp":
             df[col] = default
+    df["bytes"] = pd.to_numeric(df["bytes"], errors="coerce")  # compute rows hold ""
     for col in BOOL_COLUMNS:
         df[col] = df[col].map(_truth)
     keys = [k for k in CASE_KEYS if k not in BOOL_COLUMNS]
@@ -375,6 +478,11 @@ def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), htm
     if STDOUT not in (html, chrome_trace):
         output.emit(table=lambda console: summarize(df, console))
     written = []
+    left_out = [what for what, wanted in (("timelines", plot_dir or html),
+                                          ("Chrome trace events", chrome_trace)) if wanted]
+    note = untimed_note(df, " and ".join(left_out)) if left_out else None
+    if note:
+        print(note, file=sys.stderr)
     if plot_dir or html:
         from . import figures
         pictures = figures.draw(df)
@@ -391,6 +499,7 @@ def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), htm
     if chrome_trace:
         import json
         from .chrome_trace import trace
-        _write(chrome_trace, json.dumps(trace(df), separators=(",", ":")) + "\n")
+        # allow_nan=False: never NaN or Infinity (not JSON; trace() leaves unknown numbers out)
+        _write(chrome_trace, json.dumps(trace(df), separators=(",", ":"), allow_nan=False) + "\n")
         written += [chrome_trace] if chrome_trace != STDOUT else []
     return written
