@@ -333,3 +333,13 @@ def test_chrome_trace_is_strict_json_whatever_columns_the_csv_has(csvs, tmp_path
     assert comm and "Chrome trace" not in res.stderr
     for e in comm:  # an arg the CSV has no value for is left out, not NaN
         assert ("overlap_ms" in e["args"]) == (extra is None) and ("exposed_ms" in e["args"]) == (extra is None)
+
+
+def test_packs_are_named_by_their_documents():
+    a, b = _case(docs="96,160,256"), _case(docs="64,64,384")
+    assert "docs=96,160,256" in label(a) and label(a) != label(b)
+    assert "docs=12 documents" in label(_case(docs=",".join(["32"] * 12)))
+    assert "docs=" not in label(_case())
+    assert sorted(slugs(pd.DataFrame([a, b])).values()) == [
+        "p2p-learnable-step0-causal-w127-0-thd3docs-fp32-cp4-docs-64-64-384",
+        "p2p-learnable-step0-causal-w127-0-thd3docs-fp32-cp4-docs-96-160-256"]

@@ -345,6 +345,8 @@ def label(row) -> str:
         parts.append(f"kv={row['kv_schedule']}")
     if str(row.get("window", "")):
         parts.append(f"window={row['window']}")
+    if str(row.get("docs", "")):
+        parts.append(f"docs={docs_text(row['docs'])}")
     if row["simulated"]:
         parts.append("simulated")
     # a CSV of an older version leaves some of these blank: they are left out, not "b= ()"
@@ -352,6 +354,12 @@ def label(row) -> str:
     text = " ".join(filter(None, ("/".join(p for p in parts if p), shape,
                                   f"({row['backend']})" if str(row["backend"]) else "")))
     return f"PREDICTION {text}" if row.get("predicted", False) else text
+
+
+def docs_text(docs: str) -> str:
+    """A pack's document lengths as a title shows them: the list, or ``N`` documents when long."""
+    lengths = [d for d in str(docs).split(",") if d.strip()]
+    return str(docs) if len(str(docs)) <= 24 else f"{len(lengths)} documents"
 
 
 def _slug_part(text: str) -> str:
@@ -371,20 +379,23 @@ def run_part(run_id: str) -> str:
 
 def slugs(cases: pd.DataFrame) -> dict:
     """A short file-name slug per case (the tuple of its CASE_KEYS): ``comm-softmax[-strategy]-mask
-    [-window]-dtype-cpN[-sim][-pred]``; cases that would share one add what tells them apart (the
-    K/V schedule as ``kv-ring`` or ``kv-direct``, the shape, the backend, then the run), so a slug
+    [-window][-thdNdocs]-dtype-cpN[-sim][-pred]``; cases that would share one add what tells them
+    apart (the K/V schedule as ``kv-ring`` or ``kv-direct``, a pack's lengths, the shape, the backend, then the run), so a slug
     depends only on the cases read, in any order."""
     rows = cases.drop_duplicates(subset=CASE_KEYS)
     base = {}
     for _, r in rows.iterrows():
         parts = [r["comm"], r["softmax"], r["sink_strategy"], r["mask"]]
         parts += [_window_part(r["window"])] if str(r["window"]) else []
+        parts += [f"thd{len(str(r['docs']).split(','))}docs"] if str(r.get("docs", "")) else []
         parts += [r["dtype"], f"cp{r['cp']}"]
         parts += ["sim"] if r["simulated"] else []
         parts += ["pred"] if r.get("predicted", False) else []
         base[tuple(r[k] for k in CASE_KEYS)] = [_slug_part(p) for p in parts if str(p)]
     kv = CASE_KEYS.index("kv_schedule")
+    docs = CASE_KEYS.index("docs")
     for extra in (lambda k: [f"kv-{k[kv]}" if k[kv] else ""],
+                  lambda k: ["docs-" + "-".join(str(k[docs]).split(",")) if str(k[docs]) else ""],
                   lambda k: [f"{n}{k[CASE_KEYS.index(n)]}" for n in ("b", "s", "h", "g", "d")],
                   lambda k: [k[CASE_KEYS.index("backend")]],
                   lambda k: [run_part(k[CASE_KEYS.index("run_id")])]):
