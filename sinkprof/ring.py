@@ -20,6 +20,7 @@ from typing import Optional, Protocol
 import torch
 
 from . import faults, profiling
+from .kernels.base import BackwardState
 from .options import CPOptions, KVSchedule, SinkStrategy, accum_dtype
 from .plan import RankPlan, Step, Tile, global_rows, rows_in
 from .schedule import CommSchedule, comm_schedule, row_bytes
@@ -184,17 +185,6 @@ class ForwardState:
     out: torch.Tensor         # the output, in q's dtype; also holds each row's first partial result
 
 
-@dataclass(frozen=True)
-class BackwardState:
-    """One rank's backward tensors: the forward's final ``out`` and ``lse`` drive every tile."""
-
-    q: torch.Tensor
-    out: torch.Tensor
-    grad_out: torch.Tensor
-    lse: torch.Tensor         # final, sink-inclusive
-    dq_acc: torch.Tensor      # accumulator dtype; written (not added to) by each row's first tile
-
-
 def run_forward(plan: RankPlan, kv: KVSource, *, state: ForwardState, sink: Optional[torch.Tensor],
                 bias: Optional[BiasTiles], opts: CPOptions) -> None:
     """Every tile of every step, joined to its rows as the plan says (``Tile.merges``): a row's
@@ -241,36 +231,34 @@ def _forward_tiles(step: Step, *, k, v, state: ForwardState, sink, fold, bias, o
 
 def run_backward(plan: RankPlan, kv: KVSource, dkv: DKVSink, *, state: BackwardState,
                  sink: Optional[torch.Tensor], bias: Optional[BiasTiles], opts: CPOptions) -> Optional[torch.Tensor]:
-    """Recompute every tile with the final ``lse`` and ``out``; return this rank's rows' sink gradient."""
+    """Recompute every tile with the final ``lse`` and ``out``; return this rank's rows' sink gradient.
+    The kernel keeps the rows' dq (``TileKernel.rows_backward``): ``state.dq_acc`` holds it at the end."""
     strategy = faults.active.sink_strategy(opts.sink_strategy)
     from_tiles = sink is not None and strategy is not SinkStrategy.POST_MERGE
     d_sink = torch.zeros_like(sink) if from_tiles else None
+    rows = opts.kernel.rows_backward(state, scale=opts.scale,
+                                     tiles=[t for step in plan.backward_steps for t in step.tiles],
+                                     biased=bias is not None)
     for step in plan.backward_steps:
         k, v = kv.get(step)
         dk, dv = dkv.start(step)
         with profiling.active.compute("bwd", step.index):
-            _backward_tiles(step, k=k, v=v, dk=dk, dv=dv, state=state, sink=sink, bias=bias, opts=opts,
-                            strategy=strategy, d_sink=d_sink)
+            _backward_tiles(step, k=k, v=v, dk=dk, dv=dv, rows=rows, sink=sink, bias=bias, strategy=strategy,
+                            d_sink=d_sink)
         dkv.finish(step)
+    rows.finish()
     if sink is not None and not from_tiles:
         d_sink = sink_grad(state.out, state.grad_out, state.lse, sink)
     return d_sink
 
 
-def _backward_tiles(step: Step, *, k, v, dk, dv, state: BackwardState, sink, bias, opts: CPOptions,
-                    strategy: SinkStrategy, d_sink) -> None:
-    """One backward step: every tile's gradients added to dq, this step's dK/dV and the sink's."""
-    q, out, grad_out, lse, dq_acc = state.q, state.out, state.grad_out, state.lse, state.dq_acc
+def _backward_tiles(step: Step, *, k, v, dk, dv, rows, sink, bias, strategy: SinkStrategy, d_sink) -> None:
+    """One backward step: every tile's gradients added to this step's dK/dV and the sink's; the
+    rows' dq is kept by ``rows``."""
     for t, tile in enumerate(step.tiles):
-        rows, cols = tile.q_rows, tile.kv_rows
-        grads = opts.kernel.backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
-                                     grad_out[:, :, rows], lse[:, :, rows], tile.band,
-                                     tile_sink(tile, sink, strategy),
-                                     bias.tile(step, t) if bias else None, opts.scale)
-        if tile.sink:  # the rows' first tile (step 0 comes first): no zeroed accumulator to add to
-            dq_acc[:, :, rows].copy_(grads.dq)
-        else:
-            dq_acc[:, :, rows] += grads.dq
+        cols = tile.kv_rows
+        grads = rows.tile(tile.q_rows, k[:, :, cols], v[:, :, cols], tile.band, tile_sink(tile, sink, strategy),
+                          bias.tile(step, t) if bias else None, first=tile.sink)
         dk[:, :, cols] += grads.dk
         dv[:, :, cols] += grads.dv
         if grads.d_sink is not None:

@@ -5,6 +5,11 @@ A tile is one rectangle of the attention matrix: ``q`` ``[b, h, n_q, d]`` agains
 returns ``(o, lse)``; the backward takes the *given* ``lse`` and ``o`` (the final merged ones in a
 ring) so it can be driven exactly like a fused kernel driven with merged stats. A tile given a
 sink adds it to its softmax (forward) and returns its rows' sink gradient (backward).
+
+A ring's backward runs through ``rows_backward``: one object per rank and backward pass that
+takes that rank's tiles in plan order and keeps their rows' dq, so that a kernel able to
+accumulate dq across tiles in its own format (FA4, ``fa4_rows``) does so, and every other kernel
+adds each tile's dq to the ring's accumulator (``TileRowsBackward``).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from ..options import Band, SinkStrategy
 
 @dataclass
 class TileGrads:
-    dq: torch.Tensor                  # [b, h, n_q, d], accumulator dtype
+    dq: Optional[torch.Tensor]        # [b, h, n_q, d], accumulator dtype; None where a RowsBackward keeps dq
     dk: torch.Tensor                  # [b, g, n_kv, d]
     dv: torch.Tensor                  # [b, g, n_kv, d]
     d_sink: Optional[torch.Tensor]    # [1, h, 1, 1] when the tile carries the sink
@@ -38,6 +43,59 @@ class TileKernel(Protocol):
 
     def backward(self, q, k, v, o, grad_out, lse, band: Band, sink, bias, scale: float) -> TileGrads:
         """Gradients of the tile's rows, recomputed with the given ``lse`` and ``o``."""
+
+    def rows_backward(self, state: "BackwardState", *, scale: float, tiles, biased: bool) -> "RowsBackward":
+        """The backward of one rank's rows over ``tiles`` (every ``plan.Tile`` it will be given)."""
+
+
+@dataclass(frozen=True)
+class BackwardState:
+    """One rank's backward tensors (``[b, h, n, d]`` views; lse ``[b, h, n]``): the forward's final
+    ``out`` and ``lse`` drive every tile."""
+
+    q: torch.Tensor
+    out: torch.Tensor
+    grad_out: torch.Tensor
+    lse: torch.Tensor         # final, sink-inclusive
+    dq_acc: torch.Tensor      # accumulator dtype: holds the rows' dq once ``RowsBackward.finish`` returns
+
+
+class RowsBackward(Protocol):
+    def tile(self, rows: slice, k, v, band: Band, sink, bias, *, first: bool) -> TileGrads:
+        """One tile of rows ``rows`` against ``k``, ``v``: its dK, dV (and sink, bias) gradients;
+        its dq goes to the rows' dq (``first``: the rows' first tile, nothing to add to yet), so
+        the returned ``dq`` may be None."""
+
+    def finish(self) -> None:
+        """Every tile is in: ``dq_acc`` holds the rows' dq."""
+
+
+class TileRowsBackward:
+    """A rank's rows tile after tile: each tile's dq written (first tile) or added into ``dq_acc``."""
+
+    def __init__(self, kernel: TileKernel, state: BackwardState, scale: float):
+        self.kernel, self.state, self.scale = kernel, state, scale
+
+    def tile(self, rows: slice, k, v, band: Band, sink, bias, *, first: bool) -> TileGrads:
+        s = self.state
+        grads = self.kernel.backward(s.q[:, :, rows], k, v, s.out[:, :, rows], s.grad_out[:, :, rows],
+                                     s.lse[:, :, rows], band, sink, bias, self.scale)
+        dq = s.dq_acc[:, :, rows]
+        if first:
+            dq.copy_(grads.dq)
+        else:
+            dq += grads.dq
+        return grads
+
+    def finish(self) -> None:
+        pass
+
+
+class PerTileRows:
+    """The ``rows_backward`` of kernels that keep no dq of their own."""
+
+    def rows_backward(self, state: BackwardState, *, scale: float, tiles, biased: bool) -> TileRowsBackward:
+        return TileRowsBackward(self, state, scale)
 
 
 IO_DTYPES = (torch.bfloat16, torch.float16)   # what the GPU backends take; other dtypes run on torch

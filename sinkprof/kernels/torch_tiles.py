@@ -11,10 +11,10 @@ import torch
 
 from ..options import Band, SinkStrategy, accum_dtype
 from ..sink import sink_grad
-from .base import TileGrads, deliver
+from .base import PerTileRows, TileGrads, deliver
 
 
-class TorchTiles:
+class TorchTiles(PerTileRows):
     """Explicit math in the accumulator dtype: any dtype, any device, exact in fp64."""
 
     name = "torch"
