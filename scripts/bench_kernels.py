@@ -167,9 +167,10 @@ def tile_bench(b, h, g, s, d, band: Band, label: str) -> dict:
 RUNS = [("vanilla", SinkStrategy.STEP0), ("learnable", SinkStrategy.STEP0), ("learnable", SinkStrategy.POST_MERGE)]
 
 
-def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d):
+def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d, rows_path=True):
     """(forward, backward) closures running one rank's whole schedule into preallocated buffers
-    (the ring K/V schedule: every step reads its owner's whole shard in place, no gather)."""
+    (the ring K/V schedule: every step reads its owner's whole shard in place, no gather);
+    ``rows_path``: FA4's backward keeps dq across tiles (False: tile by tile)."""
     plan = schedule.plans[rank]
     b, h = qh.shape[:2]
     opts = CPOptions(make_spec(softmax, mask, None, "bshd"), d ** -0.5, kernel, strategy)
@@ -188,13 +189,16 @@ def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, 
         run_forward(plan, LocalKV(ks, vs, schedule, rank, "fwd"), state=fwd_state, sink=a, bias=None, opts=opts)
 
     def bwd():
+        if kernel.name == "fa4":
+            kernel.rows_path = rows_path
         run_backward(plan, LocalKV(ks, vs, schedule, rank, "bwd"), LocalDKV(dks, dvs), state=bwd_state, sink=a,
                      bias=None, opts=opts)
     return fwd, bwd
 
 
-def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool) -> dict:
-    """The slowest of ranks 0, cp/2, cp-1 per backend and variant, against FA4 monolithic."""
+def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list) -> dict:
+    """The slowest of ranks 0, cp/2, cp-1 per backend and variant, against FA4 monolithic;
+    ``names``: backends, and ``fa4-per-tile`` (FA4 with its backward tile by tile)."""
     s = s_rank * cp
     gen = torch.Generator(device="cuda").manual_seed(1)
     q, do = _rand(gen, b, s, h, d), _rand(gen, b, s, h, d)
@@ -211,8 +215,8 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool) -> dict:
     ks = [shard(k, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]
     vs = [shard(v, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]
     rows = []
-    for name in backends():
-        kernel = get_kernel(name, "cuda")
+    for name in names:
+        kernel = get_kernel(name.removesuffix("-per-tile"), "cuda")
         slowest = {}
         schedule = CommSchedule(KVSchedule.RING, cp, chunk, band)
         for rank in sorted({0, cp // 2, cp - 1}):
@@ -224,7 +228,8 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool) -> dict:
             fns, host = {}, {}
             for softmax, strategy in RUNS:
                 variant = f"{softmax} {strategy.value}"
-                fwd, bwd = _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d)
+                fwd, bwd = _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d,
+                                     rows_path=not name.endswith("-per-tile"))
                 fwd(), bwd()
                 host[variant] = (host_us(fwd) + host_us(bwd)) / (2 * len(plan.steps))
                 fns[variant + " fwd"], fns[variant + " bwd"] = fwd, bwd
@@ -282,6 +287,8 @@ def main() -> None:
     ap.add_argument("--s-rank", type=int, default=8192, help="tokens per rank in the ring benchmarks")
     ap.add_argument("--rings", default="h16-d128:2,4,8;gpt-oss:2,4,8", help=f"configs from {sorted(CONFIGS)}")
     ap.add_argument("--masks", default="causal,no_mask")
+    ap.add_argument("--ring-backends", default=None,
+                    help="backends of the ring benchmarks, and fa4-per-tile (default: every backend here, and fa4-per-tile)")
     ap.add_argument("--skip-tiles", action="store_true")
     ap.add_argument("--profile-step", action="store_true", help="print the kernels of one warm ring per config")
     ap.add_argument("--out", default=None)
@@ -299,18 +306,20 @@ def main() -> None:
             print(f"\n## tile {label}, s={args.tile_s} bf16 (graphed, interleaved)")
             for name, r in t["kernels"].items():
                 print(f"{name:28s} {r['ms'] * 1e3:9.1f} us (spread {r['spread_ms'] * 1e3:.1f}) {r['tflops']:7.1f} TFLOP/s")
+    ring_names = (args.ring_backends.split(",") if args.ring_backends else
+                  backends() + (["fa4-per-tile"] if "fa4" in backends() else []))
     for name, cps in _configs(args.rings):
         h, g, d = CONFIGS[name]
         for cp in cps:
             for mask in args.masks.split(","):
-                r = ring_bench(cp, 1, h, g, args.s_rank, d, mask, args.profile_step)
+                r = ring_bench(cp, 1, h, g, args.s_rank, d, mask, args.profile_step, ring_names)
                 report["rings"].append(r | {"config": name})
                 print(f"\n## ring {name} cp={cp} s={r['shape']['s']} {mask}: slowest rank's schedule, TFLOP/s "
                       "(and against FA4 monolithic)")
                 for row in r["rows"]:
                     eff = (f" | vs FA4 mono fwd {row['fwd_vs_fa4_mono']:.3f} bwd {row['bwd_vs_fa4_mono']:.3f}"
                            if "fwd_vs_fa4_mono" in row else "")
-                    print(f"{row['backend']:6s} {row['variant']:21s} rank {row['rank']}: fwd {row['fwd_tflops']:6.1f} "
+                    print(f"{row['backend']:12s} {row['variant']:21s} rank {row['rank']}: fwd {row['fwd_tflops']:6.1f} "
                           f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step")
     refused = {}
     for name in backends():

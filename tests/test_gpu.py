@@ -321,3 +321,44 @@ def test_fused_merge_into_another_buffer_and_with_the_fold_matches_fp64(first_dt
     tol = 2e-2 if got.dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(cpu64(got), want, atol=tol, rtol=tol)
     torch.testing.assert_close(cpu64(lse_first), want_lse, atol=1e-5, rtol=1e-5)
+
+
+# -- FA4's rows backward: dq kept in FA4's accumulator across a rank's tiles ---------------------
+
+@pytest.fixture
+def fa4_kernel():
+    kernel = _kernel_or_skip("fa4")
+    yield kernel
+    kernel.rows_path = True
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+@pytest.mark.parametrize("h,g,d", [(8, 8, 128), (8, 2, 64)], ids=["mha-d128", "gqa-d64"])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_fa4_rows_backward_matches_the_per_tile_backward_and_the_reference(fa4_kernel, cp, mask, h, g, d, layout):
+    from sinkprof.kernels import fa4_rows
+    from sinkprof.kernels.base import BackwardState
+    from sinkprof.plan import ring_plan
+    spec = make_spec("learnable", mask, None, layout)
+    shape = Shape(b=2, s=640 * cp, h=h, g=g, d=d)   # 320-row chunks: on 64- and 80-row blocks, not on 128
+    if d == 64:
+        shape = Shape(b=2, s=512 * cp, h=h, g=g, d=d)
+    host = make_inputs(shape, spec, seed=cp)
+    x = host.to("cuda", torch.bfloat16)
+    n = shape.s // cp
+    plan = ring_plan(cp, cp - 1, shape.s // (2 * cp), spec.band)
+    tiles = [t for st in plan.backward_steps for t in st.tiles]
+    state = BackwardState(*(torch.zeros(1, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)),
+                          torch.zeros(1, h, n, device="cuda"), torch.zeros(1, h, n, d, device="cuda"))
+    taken = fa4_kernel.rows_backward(state, scale=d ** -0.5, tiles=tiles, biased=False)
+    assert isinstance(taken, fa4_rows.FA4RowsBackward), fa4_rows.unqualified(tiles, n, 64)
+    ref = reference(x.to("cuda", torch.float64), spec)
+    tol = tolerance_for(torch.bfloat16, gqa=g < h)
+    got = {}
+    for rows_path in (True, False):
+        fa4_kernel.rows_path = rows_path
+        got[rows_path] = emulate_ring(x, spec, cp, SinkStrategy.STEP0, kernel=fa4_kernel).result.named()
+    for name, want in ref.named().items():
+        assert compare(got[True][name], want, tol).passed, name
+        assert compare(got[True][name], got[False][name], tol).passed, name

@@ -11,6 +11,9 @@ Visibility: a tile's ``Band`` is trimmed to the part that sees anything (``base.
 the band becomes ``window_size_left = offset - lo`` and ``window_size_right = hi - offset``, both
 non-negative after trimming, and ``causal`` when only ``hi = offset`` is bounded.
 
+A ring's backward keeps dq in FA4's own accumulator across the rank's tiles where it can
+(``fa4_rows``; ``rows_backward``), and otherwise calls ``_flash_attn_bwd`` per tile.
+
 FA4 has no bias input and takes bf16/fp16 only: bias tiles go to the cuDNN tiles when they can run
 here, else to the torch tiles, and the reason is kept in ``refused()`` (what ``check`` reports);
 fp32/fp64 tiles are the torch tiles' (the exact paths), as for cuDNN.
@@ -31,7 +34,9 @@ from typing import Optional
 import torch
 
 from ..options import Band, SinkStrategy
-from .base import IO_DTYPES, TileGrads, backward_trimmed, deliver, empty_bshd, forward_trimmed, optional_module, trim_band
+from . import fa4_rows
+from .base import (IO_DTYPES, BackwardState, TileGrads, TileRowsBackward, backward_trimmed, deliver, empty_bshd,
+                   forward_trimmed, optional_module, trim_band)
 from .torch_tiles import TorchTiles
 
 log = logging.getLogger("sinkprof.fa4")
@@ -96,6 +101,7 @@ class FA4Tiles:
 
     name = "fa4"
     sink_strategy = SinkStrategy.STEP0      # the faster one here (docs/benchmarks.md)
+    rows_path = True                        # False: every backward tile through _flash_attn_bwd (for comparisons)
 
     def __init__(self, device_index: int):
         self.device = torch.device("cuda", device_index)
@@ -167,3 +173,25 @@ class FA4Tiles:
                                          learnable_sink=self._sink(sink))
         d_sink = None if sink is None else grads[3].reshape(sink.shape)
         return TileGrads(dq, dk, dv, d_sink, None)
+
+    def rows_backward(self, state: BackwardState, *, scale: float, tiles, biased: bool):
+        """FA4's accumulator across the rank's tiles (``fa4_rows``) when every tile qualifies, else
+        tile after tile; the reason is logged (debug)."""
+        why = self._rows_refusal(state, biased) if tiles else "no tiles"
+        if why is None:
+            cfg = fa4_rows.configuration(_fa4, tiles, state.q.shape[3], state.out.shape[3])
+            why = fa4_rows.unqualified(tiles, state.q.shape[2], cfg.m_block_size)
+        if why is not None:
+            log.debug("fa4 backward tile by tile: %s", why)
+            return TileRowsBackward(self, state, scale)
+        return fa4_rows.FA4RowsBackward(_fa4, state, scale, cfg,
+                                        max(t.kv_rows.stop - t.kv_rows.start for t in tiles))
+
+    def _rows_refusal(self, state: BackwardState, biased: bool) -> Optional[str]:
+        if not self.rows_path:
+            return "rows_path is off"
+        if biased:
+            return "bias tiles run on another backend"
+        if state.q.dtype not in IO_DTYPES or state.lse.dtype != torch.float32:
+            return f"{state.q.dtype} runs on the torch tiles"
+        return fa4_rows.unavailable_reason(version(), self.device)

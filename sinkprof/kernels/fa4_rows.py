@@ -1,0 +1,211 @@
+"""FlashAttention-4's backward over one rank's rows: dq kept in FA4's own fp32 accumulator across a
+ring's tiles (docs/design.md, section 7).
+
+FA4's ``_flash_attn_bwd`` runs three kernels per call: a preprocess (``D = rowsum(dO * o)``, the lse
+in base 2, a zeroed fp32 dq accumulator), the main kernel (dK, dV, and each block's dq added into the
+accumulator), and a postprocess (the accumulator scaled and converted to dq's dtype, and the sink
+gradient). A ring calling it per tile re-reads the rows' ``o`` and ``dO`` and zeroes, converts and
+then adds a dq-sized buffer into its own accumulator at every step: four passes over dq-sized
+memory per tile.
+
+Here the preprocess runs once over the rank's rows, every tile's main kernel adds into one
+accumulator, and one postprocess converts it at the end. FA4's accumulator is laid out in blocks of
+``m_block_size`` rows, so a tile whose rows start on a block boundary (and end on one, or at the last
+row) owns a contiguous part of it, and of ``D`` and the base-2 lse. The sink gradient of a tile's rows,
+``-sum exp(a - lse) * D``, comes from the same ``D``. The layout of the accumulator depends on the
+kernel configuration, so every tile of a rank runs one configuration: FA4's for masked tiles when
+any tile is masked, else its configuration for unmasked ones.
+
+``FA4Tiles.rows_backward`` takes this path when every tile qualifies (``unqualified``: rows on block
+boundaries, every row and key of the tile visible, no bias, bf16/fp16) and the per-tile path
+otherwise. The main kernel is compiled here as FA4's interface compiles it for sm90 (no varlen, not
+deterministic, no score or mask modifiers): those are FA4 internals, so this path runs only on Hopper
+and on the FA4 versions in ``VERSIONS``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from . import fa4 as fa4_tiles   # fa4 imports this module: its names are read at call time
+from .base import BackwardState, TileGrads, trim_band
+
+VERSIONS = ("4.0.0b36",)    # the FA4 releases whose internals this module was written against
+
+
+def unavailable_reason(fa4_version: Optional[str], device) -> Optional[str]:
+    """None when the rows path can run with this FA4 on ``device``, else why not."""
+    if fa4_version not in VERSIONS:
+        return f"the rows backward is written against flash-attn-4 {', '.join(VERSIONS)}, not {fa4_version}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap[0] != 9:
+        return f"the rows backward drives FA4's sm90 kernels; this GPU is sm{cap[0]}{cap[1]}"
+    return None
+
+
+def _round_up(x: int, to: int) -> int:
+    return (x + to - 1) // to * to
+
+
+def _bshd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)
+
+
+def configuration(interface, tiles, d: int, d_v: int):
+    """FA4's sm90 backward configuration (``interface``: ``flash_attn.cute.interface``) for a rank
+    whose backward runs ``tiles``."""
+    masked = False
+    for tile in tiles:
+        trimmed = trim_band(tile.band, tile.q_rows.stop - tile.q_rows.start, tile.kv_rows.stop - tile.kv_rows.start)
+        if trimmed is not None and (trimmed[2].lo is not None or trimmed[2].hi is not None):
+            masked = True
+    return interface._tile_size_bwd_sm90(d, d_v, masked, False)
+
+
+def unqualified(tiles, n: int, block: int) -> Optional[str]:
+    """None when every tile can run on the rows path with ``block``-row blocks, else why not."""
+    for tile in tiles:
+        rows, cols = tile.q_rows, tile.kv_rows
+        n_q, n_kv = rows.stop - rows.start, cols.stop - cols.start
+        trimmed = trim_band(tile.band, n_q, n_kv)
+        if trimmed is None or trimmed[:2] != (slice(0, n_q), slice(0, n_kv)):
+            return f"a tile of rows {rows.start}..{rows.stop} sees only part of its rows or keys"
+        if rows.start % block or (rows.stop % block and rows.stop != n):
+            return f"a tile's rows {rows.start}..{rows.stop} do not start and end on {block}-row blocks"
+    return None
+
+
+class FA4RowsBackward:
+    """The rows path (module docstring): one preprocess, a main kernel per tile, one postprocess."""
+
+    def __init__(self, interface, state: BackwardState, scale: float, cfg, kv_rows: int):
+        fa4 = self.fa4 = interface
+        self.state, self.scale, self.cfg, self.kv_rows = state, scale, cfg, kv_rows   # the largest tile's keys
+        self._quiet = fa4_tiles._program_name_only
+        q = state.q
+        b, h, n, d = q.shape
+        d_v = state.out.shape[-1]
+        self.dtype = q.dtype
+        self.block = cfg.m_block_size
+        self.hdim_multiple_of = 64 if cfg.dKV_swapAB else 32
+        self.d_rounded = _round_up(d, self.hdim_multiple_of)
+        self.dv_rounded = _round_up(d_v, self.hdim_multiple_of)
+        n_rounded = _round_up(n, self.block)
+        f32 = dict(dtype=torch.float32, device=q.device)
+        self.dq_accum = torch.empty(b, h, n_rounded * self.d_rounded, **f32)
+        self.dpsum = torch.empty(b, h, n_rounded, **f32)
+        self.lse_log2 = torch.empty(b, h, n_rounded, **f32)
+        self.q = fa4.maybe_contiguous(_bshd(q))
+        self.dout = fa4.maybe_contiguous(_bshd(state.grad_out))
+        self.cute_dtype = fa4.torch2cute_dtype_map[q.dtype]
+        self.arch = fa4._get_device_arch()
+        self._kv_scratch: dict = {}
+        with self._quiet():
+            fa4._bwd_preprocess(fa4.maybe_contiguous(_bshd(state.out)), self.dout, self.dpsum,
+                                fa4.maybe_contiguous(state.lse), self.lse_log2, self.dq_accum, None, None, None,
+                                self.cute_dtype, d, d_v, self.block, hdim_multiple_of=self.hdim_multiple_of,
+                                fake_mode=False)
+
+    def _scratch(self, k: torch.Tensor, v: torch.Tensor):
+        """dK/dV outputs (q's dtype, ``[b, n_kv, g, d]``) and, under GQA, FA4's zeroed fp32
+        accumulators for them: views of buffers made at the first tile for the largest tile."""
+        b, g, n_kv, d = k.shape
+        if not self._kv_scratch:
+            rows, dev = _round_up(self.kv_rows, self.cfg.n_block_size), k.device
+            self._kv_scratch = dict(dk=torch.empty(b, rows, g, d, dtype=self.dtype, device=dev),
+                                    dv=torch.empty(b, rows, g, v.shape[-1], dtype=self.dtype, device=dev))
+            if self.state.q.shape[1] != g:
+                self._kv_scratch.update(
+                    dk_accum=torch.empty(b, g, rows * self.d_rounded, dtype=torch.float32, device=dev),
+                    dv_accum=torch.empty(b, g, rows * self.dv_rounded, dtype=torch.float32, device=dev))
+        s = self._kv_scratch
+        dk, dv = s["dk"][:, :n_kv], s["dv"][:, :n_kv]
+        if "dk_accum" not in s:
+            return dk, dv, None, None
+        n_rounded = _round_up(n_kv, self.cfg.n_block_size)
+        dk_accum = s["dk_accum"][:, :, :n_rounded * self.d_rounded]
+        dv_accum = s["dv_accum"][:, :, :n_rounded * self.dv_rounded]
+        dk_accum.zero_()
+        dv_accum.zero_()
+        return dk, dv, dk_accum, dv_accum
+
+    def tile(self, rows: slice, k, v, band, sink, bias, *, first: bool) -> TileGrads:
+        fa4, cfg = self.fa4, self.cfg
+        n_q, n_kv = rows.stop - rows.start, k.shape[2]
+        causal, left, right = fa4_tiles.fa4_window(trim_band(band, n_q, n_kv)[2], n_q, n_kv)
+        causal, local, left, right = fa4._resolve_causal_local_window(causal, left, right)
+        q_rounded = _round_up(n_q, self.block)
+        at = rows.start
+        lse_log2 = self.lse_log2[:, :, at:at + q_rounded]
+        dpsum = self.dpsum[:, :, at:at + q_rounded]
+        dq_accum = self.dq_accum[:, :, at * self.d_rounded:(at + q_rounded) * self.d_rounded]
+        q, dout = self.q[:, rows], self.dout[:, rows]
+        k, v = fa4.maybe_contiguous(_bshd(k)), fa4.maybe_contiguous(_bshd(v))
+        dk, dv, dk_accum, dv_accum = self._scratch(_bshd(k), _bshd(v))
+        gqa = dk_accum is not None
+        args = [q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk, dv_accum if gqa else dv]
+        key = ("rows_bwd", str(self.dtype), q.shape[-1], v.shape[-1], q.shape[2] // k.shape[2], causal, local,
+               left is not None, right is not None, dataclasses.astuple(cfg),
+               q_rounded // self.block == 1, _round_up(n_kv, cfg.n_block_size) // cfg.n_block_size == 1)
+        compiled = _compiled_kernels(fa4)
+        if key not in compiled:
+            with self._quiet():
+                compiled[key] = self._compile(args, causal, local, left, right)
+        compiled[key](*[t.detach() for t in args[:4]], *args[4:], self.scale, None, None, None, None, left, right,
+                      None, None, None, fa4.AuxData(None, None), None, None)
+        if gqa:
+            post = dict(use_2cta_instrs=False, cluster_size=1, hdim_multiple_of=self.hdim_multiple_of,
+                        accum_order=None, fake_mode=False)
+            threads = cfg.num_wg * 128
+            with self._quiet():
+                fa4._bwd_postprocess_convert(dk_accum, dk, self.scale, None, None, self.arch, self.cute_dtype, k.shape[-1],
+                                             cfg.n_block_size, threads, cfg.AtomLayoutNdKV, cfg.dKV_swapAB, **post)
+                fa4._bwd_postprocess_convert(dv_accum, dv, 1.0, None, None, self.arch, self.cute_dtype, v.shape[-1],
+                                             cfg.n_block_size, threads, cfg.AtomLayoutNdKV, cfg.dKV_swapAB, **post)
+        d_sink = None
+        if sink is not None:   # -sum over the rows of exp(a - lse) * D, per head
+            lse = self.state.lse[:, :, rows]
+            d_sink = -(torch.exp(sink.reshape(1, -1, 1).float() - lse) * self.dpsum[:, :, at:rows.stop]).sum((0, 2))
+            d_sink = d_sink.reshape(sink.shape).to(sink.dtype)
+        return TileGrads(None, _bshd(dk), _bshd(dv), d_sink, None)
+
+    def _compile(self, args, causal: bool, local: bool, left, right):
+        fa4, cfg = self.fa4, self.cfg
+        q, k, v = args[:3]
+        kernel = fa4.FlashAttentionBackwardSm90(
+            self.cute_dtype, q.shape[-1], v.shape[-1], q.shape[2] // k.shape[2], causal, is_local=local,
+            deterministic=False, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size, Q_stage=cfg.num_stages_Q,
+            dO_stage=cfg.num_stages_dO, PdS_stage=cfg.num_stages_PdS, SdP_swapAB=cfg.SdP_swapAB,
+            dKV_swapAB=cfg.dKV_swapAB, dQ_swapAB=cfg.dQ_swapAB, AtomLayoutMSdP=cfg.AtomLayoutMSdP,
+            AtomLayoutNdKV=cfg.AtomLayoutNdKV, AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128,
+            V_in_regs=False, score_mod=None, score_mod_bwd=None, mask_mod=None, has_aux_tensors=False,
+            q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg)
+        tensors = [fa4.to_cute_tensor(t) for t in args]
+        stream = fa4.cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        return fa4.cute.compile(kernel, *tensors, self.scale, None, None, None, None, left, right, None, None, None,
+                                fa4.AuxData(None, None), None, None, stream, options="--enable-tvm-ffi")
+
+    def finish(self) -> None:
+        fa4, cfg = self.fa4, self.cfg
+        dq = torch.empty_like(self.q)
+        threads = 128 if cfg.dQ_single_wg else cfg.num_wg * 128
+        with self._quiet():
+            fa4._bwd_postprocess_convert(self.dq_accum, dq, self.scale, None, None, self.arch, self.cute_dtype,
+                                         self.q.shape[-1], self.block, threads, cfg.AtomLayoutMdQ, cfg.dQ_swapAB,
+                                         use_2cta_instrs=False, cluster_size=1, hdim_multiple_of=self.hdim_multiple_of,
+                                         accum_order=None, fake_mode=False)
+        self.state.dq_acc.copy_(_bshd(dq))
+
+
+_kernels = None
+
+
+def _compiled_kernels(interface):
+    """The compiled main kernels, kept on disk across processes as FA4 keeps its own
+    (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``)."""
+    global _kernels
+    if _kernels is None:
+        _kernels = interface.get_jit_cache("sinkprof_rows_bwd")
+    return _kernels
