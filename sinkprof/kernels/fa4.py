@@ -185,7 +185,8 @@ class FA4Tiles:
             log.debug("fa4 backward tile by tile: %s", why)
             return TileRowsBackward(self, state, scale)
         return fa4_rows.FA4RowsBackward(_fa4, state, scale, cfg,
-                                        max(t.kv_rows.stop - t.kv_rows.start for t in tiles))
+                                        kv_rows=max(t.kv_rows.stop - t.kv_rows.start for t in tiles),
+                                        window=fa4_window, quiet=_program_name_only)
 
     def _rows_refusal(self, state: BackwardState, biased: bool) -> Optional[str]:
         if not self.rows_path:

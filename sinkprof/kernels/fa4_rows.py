@@ -29,7 +29,6 @@ from typing import Optional
 
 import torch
 
-from . import fa4 as fa4_tiles   # fa4 imports this module: its names are read at call time
 from .base import BackwardState, TileGrads, trim_band
 
 VERSIONS = ("4.0.0b36",)    # the FA4 releases whose internals this module was written against
@@ -80,10 +79,13 @@ def unqualified(tiles, n: int, block: int) -> Optional[str]:
 class FA4RowsBackward:
     """The rows path (module docstring): one preprocess, a main kernel per tile, one postprocess."""
 
-    def __init__(self, interface, state: BackwardState, scale: float, cfg, kv_rows: int):
+    def __init__(self, interface, state: BackwardState, scale: float, cfg, *, kv_rows: int, window, quiet):
+        """``interface``: ``flash_attn.cute.interface``; ``kv_rows``: the largest tile's keys;
+        ``window``: a trimmed band as FA4's ``(causal, left, right)``; ``quiet``: the context that
+        hides the command line from the CuTe DSL (``fa4.py``)."""
         fa4 = self.fa4 = interface
-        self.state, self.scale, self.cfg, self.kv_rows = state, scale, cfg, kv_rows   # the largest tile's keys
-        self._quiet = fa4_tiles._program_name_only
+        self.state, self.scale, self.cfg, self.kv_rows = state, scale, cfg, kv_rows
+        self._window, self._quiet = window, quiet
         q = state.q
         b, h, n, d = q.shape
         d_v = state.out.shape[-1]
@@ -134,7 +136,7 @@ class FA4RowsBackward:
     def tile(self, rows: slice, k, v, band, sink, bias, *, first: bool) -> TileGrads:
         fa4, cfg = self.fa4, self.cfg
         n_q, n_kv = rows.stop - rows.start, k.shape[2]
-        causal, left, right = fa4_tiles.fa4_window(trim_band(band, n_q, n_kv)[2], n_q, n_kv)
+        causal, left, right = self._window(trim_band(band, n_q, n_kv)[2], n_q, n_kv)
         causal, local, left, right = fa4._resolve_causal_local_window(causal, left, right)
         q_rounded = _round_up(n_q, self.block)
         at = rows.start
