@@ -28,6 +28,7 @@ two tiles only is never copied into the accumulator at all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Optional
@@ -66,6 +67,22 @@ class Step:
     @property
     def held_rows(self) -> int:
         return rows_in(self.held)
+
+    @functools.cached_property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The step's tiles as runs of neighbours that one kernel call can take at once: one band,
+        one sink flag, rows and keys each after the last's (a pack's documents at this step). A
+        kernel with varlen calls (FA4) runs a run of several tiles as one call."""
+        runs: list[list[int]] = []
+        for t, tile in enumerate(self.tiles):
+            if runs:
+                last = self.tiles[runs[-1][-1]]
+                if (tile.band == last.band and tile.sink == last.sink and tile.q_rows.start >= last.q_rows.stop
+                        and tile.kv_rows.start >= last.kv_rows.stop):
+                    runs[-1].append(t)
+                    continue
+            runs.append([t])
+        return tuple(tuple(run) for run in runs)
 
     def source_rows(self, rows: slice) -> slice:
         """The rows of the owner's shard behind ``rows`` of this step's K/V buffer (a tile's

@@ -206,27 +206,48 @@ def run_forward(plan: RankPlan, kv: KVSource, *, state: ForwardState, sink: Opti
 
 def _forward_tiles(step: Step, *, k, v, state: ForwardState, sink, fold, bias, opts: CPOptions,
                    strategy: SinkStrategy) -> None:
-    """One forward step: every tile, written or merged where its rows' result belongs."""
-    q, out, o_acc, lse_acc = state.q, state.out, state.o_acc, state.lse_acc
-    for t, tile in enumerate(step.tiles):
-        rows = tile.q_rows
-        args = (q[:, :, rows], k[:, :, tile.kv_rows], v[:, :, tile.kv_rows], tile.band,
-                tile_sink(tile, sink, strategy), bias.tile(step, t) if bias else None, opts.scale)
-        if tile.sink:  # the first tile of these rows: straight into the output buffer and the stats
-            opts.kernel.forward(*args, out=out[:, :, rows], lse=lse_acc[:, :, rows])
+    """One forward step: every tile (a group of tiles in one call where the step has them),
+    written or merged where its rows' result belongs."""
+    q, out, lse_acc = state.q, state.out, state.lse_acc
+    for group in step.groups:
+        first = step.tiles[group[0]]
+        if len(group) > 1 and bias is None:
+            tiles = [step.tiles[t] for t in group]
+            rows, cols = tuple(t.q_rows for t in tiles), tuple(t.kv_rows for t in tiles)
+            a = tile_sink(first, sink, strategy)
+            if first.sink:  # the rows' first tiles: straight into the output buffer and the stats
+                opts.kernel.forward_group(q, k, v, rows, cols, first.band, a, opts.scale, out=out, lse=lse_acc)
+                continue
+            o, lse = opts.kernel.forward_group(q, k, v, rows, cols, first.band, a, opts.scale)
+            for tile in tiles:
+                for m in tile.merges:
+                    _merge(m, o[:, :, m.rows], lse[:, :, m.rows], state, fold)
             continue
-        o, lse = opts.kernel.forward(*args)
-        for m in tile.merges:
-            part = slice(m.rows.start - rows.start, m.rows.stop - rows.start)
-            merged = (out if m.second else o_acc)[:, :, m.rows]
-            if m.last:
-                into = out[:, :, m.rows]
-            elif m.second:
-                into = o_acc[:, :, m.rows]
-            else:
-                into = None                  # in place, in the accumulator
-            merge_(merged, lse_acc[:, :, m.rows], o[:, :, part], lse[:, :, part], into=into,
-                   sink=fold if m.last else None)
+        for t in group:
+            tile = step.tiles[t]
+            rows = tile.q_rows
+            args = (q[:, :, rows], k[:, :, tile.kv_rows], v[:, :, tile.kv_rows], tile.band,
+                    tile_sink(tile, sink, strategy), bias.tile(step, t) if bias else None, opts.scale)
+            if tile.sink:  # the first tile of these rows: straight into the output buffer and the stats
+                opts.kernel.forward(*args, out=out[:, :, rows], lse=lse_acc[:, :, rows])
+                continue
+            o, lse = opts.kernel.forward(*args)
+            for m in tile.merges:
+                part = slice(m.rows.start - rows.start, m.rows.stop - rows.start)
+                _merge(m, o[:, :, part], lse[:, :, part], state, fold)
+
+
+def _merge(m, o, lse, state: ForwardState, fold) -> None:
+    """A later tile's partial result ``o``, ``lse`` (of rows ``m.rows``) merged as ``m`` says."""
+    out, o_acc, lse_acc = state.out, state.o_acc, state.lse_acc
+    merged = (out if m.second else o_acc)[:, :, m.rows]
+    if m.last:
+        into = out[:, :, m.rows]
+    elif m.second:
+        into = o_acc[:, :, m.rows]
+    else:
+        into = None                  # in place, in the accumulator
+    merge_(merged, lse_acc[:, :, m.rows], o, lse, into=into, sink=fold if m.last else None)
 
 
 def run_backward(plan: RankPlan, kv: KVSource, dkv: DKVSink, *, state: BackwardState,
@@ -253,18 +274,32 @@ def run_backward(plan: RankPlan, kv: KVSource, dkv: DKVSink, *, state: BackwardS
 
 
 def _backward_tiles(step: Step, *, k, v, dk, dv, rows, sink, bias, strategy: SinkStrategy, d_sink) -> None:
-    """One backward step: every tile's gradients added to this step's dK/dV and the sink's; the
-    rows' dq is kept by ``rows``."""
-    for t, tile in enumerate(step.tiles):
-        cols = tile.kv_rows
-        grads = rows.tile(tile.q_rows, k[:, :, cols], v[:, :, cols], tile.band, tile_sink(tile, sink, strategy),
-                          bias.tile(step, t) if bias else None, first=tile.sink)
-        dk[:, :, cols] += grads.dk
-        dv[:, :, cols] += grads.dv
-        if grads.d_sink is not None:
-            d_sink += grads.d_sink
-        if grads.d_bias is not None:
-            bias.add_grad(step, t, grads.d_bias)
+    """One backward step: every tile's gradients (a group's in one call) added to this step's
+    dK/dV and the sink's; the rows' dq is kept by ``rows``."""
+    for group in step.groups:
+        first = step.tiles[group[0]]
+        if len(group) > 1 and bias is None:
+            tiles = [step.tiles[t] for t in group]
+            grads = rows.group(tuple(t.q_rows for t in tiles), k, v, tuple(t.kv_rows for t in tiles), first.band,
+                               tile_sink(first, sink, strategy), first=first.sink)
+            for tile in tiles:
+                cols = tile.kv_rows
+                dk[:, :, cols] += grads.dk[:, :, cols]
+                dv[:, :, cols] += grads.dv[:, :, cols]
+            if grads.d_sink is not None:
+                d_sink += grads.d_sink
+            continue
+        for t in group:
+            tile = step.tiles[t]
+            cols = tile.kv_rows
+            grads = rows.tile(tile.q_rows, k[:, :, cols], v[:, :, cols], tile.band, tile_sink(tile, sink, strategy),
+                              bias.tile(step, t) if bias else None, first=tile.sink)
+            dk[:, :, cols] += grads.dk
+            dv[:, :, cols] += grads.dv
+            if grads.d_sink is not None:
+                d_sink += grads.d_sink
+            if grads.d_bias is not None:
+                bias.add_grad(step, t, grads.d_bias)
 
 
 class RingKV:

@@ -362,3 +362,24 @@ def test_fa4_rows_backward_matches_the_per_tile_backward_and_the_reference(fa4_k
     for name, want in ref.named().items():
         assert compare(got[True][name], want, tol).passed, name
         assert compare(got[True][name], got[False][name], tol).passed, name
+
+
+# -- thd packs on FA4: a step's documents as one varlen call ---------------------------------------
+
+@pytest.mark.parametrize("cp,docs", [(2, [512, 1536, 2048]), (4, [256, 2048, 768, 1024])])
+@pytest.mark.parametrize("mask,window", [("causal", None), ("no_mask", None), ("causal", (127, 0))])
+@pytest.mark.parametrize("softmax_type", ["vanilla", "off-by-one", "learnable"])
+def test_a_pack_on_fa4_runs_each_step_as_one_varlen_call_and_matches_the_reference(fa4_kernel, cp, docs, mask,
+                                                                                    window, softmax_type):
+    spec = make_spec(softmax_type, mask, window, "thd", [0, *torch.tensor(docs).cumsum(0).tolist()])
+    host = make_inputs(Shape(1, sum(docs), 8, 2, 64), spec, seed=cp)
+    x = host.to("cuda", torch.bfloat16)
+    ref = reference(x.to("cuda", torch.float64), spec)
+    tol = tolerance_for(torch.bfloat16, gqa=True)
+    fa4_kernel._varlen.clear()
+    for strategy in (SinkStrategy.STEP0, SinkStrategy.POST_MERGE):
+        got = emulate_ring(x, spec, cp, strategy, kernel=fa4_kernel).result
+        for name, want in ref.named().items():
+            assert compare(got.named()[name], want, tol).passed, (strategy, name)
+    if window is None:   # whole tiles: every group of documents went to FA4 as one call
+        assert fa4_kernel._varlen

@@ -20,7 +20,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from ..options import Band, SinkStrategy
+from ..options import Band, SinkStrategy, accum_dtype
 
 
 @dataclass
@@ -47,6 +47,17 @@ class TileKernel(Protocol):
     def rows_backward(self, state: "BackwardState", *, scale: float, tiles, biased: bool) -> "RowsBackward":
         """The backward of one rank's rows over ``tiles`` (every ``plan.Tile`` it will be given)."""
 
+    def forward_group(self, q, k, v, rows: tuple[slice, ...], cols: tuple[slice, ...], band: Band, sink,
+                      scale: float, *, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several tiles of one band at once (``plan.Step.groups``, a pack's documents): tile i is
+        rows ``rows[i]`` of ``q`` against rows ``cols[i]`` of ``k``, ``v``; each writes its rows of
+        ``o`` ``[b, h, n, d]`` and ``lse`` ``[b, h, n]`` (into ``out``, ``lse`` when given)."""
+
+    def backward_group(self, q, k, v, o, grad_out, lse, rows: tuple[slice, ...], cols: tuple[slice, ...],
+                       band: Band, sink, scale: float) -> TileGrads:
+        """The backward of ``forward_group``'s tiles: dq ``[b, h, n, d]`` valid on ``rows``, dK, dV
+        ``[b, g, n_kv, d]`` valid on ``cols``, and the rows' sink gradient."""
+
 
 @dataclass(frozen=True)
 class BackwardState:
@@ -65,6 +76,10 @@ class RowsBackward(Protocol):
         """One tile of rows ``rows`` against ``k``, ``v``: its dK, dV (and sink, bias) gradients;
         its dq goes to the rows' dq (``first``: the rows' first tile, nothing to add to yet), so
         the returned ``dq`` may be None."""
+
+    def group(self, rows: tuple[slice, ...], k, v, cols: tuple[slice, ...], band: Band, sink, *,
+              first: bool) -> TileGrads:
+        """A group of tiles at once (``TileKernel.backward_group``): dK, dV valid on ``cols``."""
 
     def finish(self) -> None:
         """Every tile is in: ``dq_acc`` holds the rows' dq."""
@@ -87,15 +102,50 @@ class TileRowsBackward:
             dq += grads.dq
         return grads
 
+    def group(self, rows, k, v, cols, band: Band, sink, *, first: bool) -> TileGrads:
+        s = self.state
+        grads = self.kernel.backward_group(s.q, k, v, s.out, s.grad_out, s.lse, rows, cols, band, sink, self.scale)
+        for r in rows:
+            dq = s.dq_acc[:, :, r]
+            if first:
+                dq.copy_(grads.dq[:, :, r])
+            else:
+                dq += grads.dq[:, :, r]
+        return grads
+
     def finish(self) -> None:
         pass
 
 
-class PerTileRows:
-    """The ``rows_backward`` of kernels that keep no dq of their own."""
+class TileByTile:
+    """What a kernel that runs one tile per call does with a ring's rows and groups: each tile's
+    dq added into the ring's accumulator, a group's tiles one after the other."""
 
     def rows_backward(self, state: BackwardState, *, scale: float, tiles, biased: bool) -> TileRowsBackward:
         return TileRowsBackward(self, state, scale)
+
+    def forward_group(self, q, k, v, rows, cols, band: Band, sink, scale: float, *, out=None, lse=None):
+        if out is None:
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[:3], dtype=accum_dtype(q.dtype), device=q.device)
+        for r, c in zip(rows, cols):
+            self.forward(q[:, :, r], k[:, :, c], v[:, :, c], band, sink, None, scale, out=out[:, :, r],
+                         lse=lse[:, :, r])
+        return out, lse
+
+    def backward_group(self, q, k, v, o, grad_out, lse, rows, cols, band: Band, sink, scale: float) -> TileGrads:
+        acc = accum_dtype(q.dtype)
+        dq = torch.empty(q.shape, dtype=acc, device=q.device)
+        dk = torch.empty(k.shape, dtype=acc, device=k.device)
+        dv = torch.empty(v.shape, dtype=acc, device=v.device)
+        d_sink = None if sink is None else torch.zeros_like(sink)
+        for r, c in zip(rows, cols):
+            part = self.backward(q[:, :, r], k[:, :, c], v[:, :, c], o[:, :, r], grad_out[:, :, r], lse[:, :, r],
+                                 band, sink, None, scale)
+            dq[:, :, r], dk[:, :, c], dv[:, :, c] = part.dq, part.dk, part.dv
+            if sink is not None:
+                d_sink += part.d_sink
+        return TileGrads(dq, dk, dv, d_sink, None)
 
 
 IO_DTYPES = (torch.bfloat16, torch.float16)   # what the GPU backends take; other dtypes run on torch

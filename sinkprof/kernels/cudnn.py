@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..options import Band, SinkStrategy
-from .base import (IO_DTYPES, PerTileRows, TileGrads, backward_trimmed, deliver, empty_bshd, forward_trimmed,
+from .base import (IO_DTYPES, TileByTile, TileGrads, backward_trimmed, deliver, empty_bshd, forward_trimmed,
                    optional_module, trim_band)
 from .torch_tiles import TorchTiles
 
@@ -88,7 +88,7 @@ def _mask_kwargs(band: Band) -> dict:
     return kw
 
 
-class CudnnTiles(PerTileRows):
+class CudnnTiles(TileByTile):
     """The tile kernel interface on cuDNN SDPA; see the module docstring."""
 
     name = "cudnn"

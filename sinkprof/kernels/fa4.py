@@ -11,6 +11,12 @@ Visibility: a tile's ``Band`` is trimmed to the part that sees anything (``base.
 the band becomes ``window_size_left = offset - lo`` and ``window_size_right = hi - offset``, both
 non-negative after trimming, and ``causal`` when only ``hi = offset`` is bounded.
 
+Groups of tiles (``plan.Step.groups``: a thd pack's documents at one ring step) run as one varlen
+call: the rank's whole ``[t, h, d]`` rows with ``cu_seqlens_q`` holding where each tile's rows
+start and ``seqused_q`` how many there are (the same for the keys), so the rows between tiles are
+neither read nor written; every tile of the group must see all its rows and keys and have one FA4
+window (else the group runs tile by tile).
+
 A ring's backward keeps dq in FA4's own accumulator across the rank's tiles where it can
 (``fa4_rows``; ``rows_backward``), and otherwise calls ``_flash_attn_bwd`` per tile.
 
@@ -35,8 +41,8 @@ import torch
 
 from ..options import Band, SinkStrategy
 from . import fa4_rows
-from .base import (IO_DTYPES, BackwardState, TileGrads, TileRowsBackward, backward_trimmed, deliver, empty_bshd,
-                   forward_trimmed, optional_module, trim_band)
+from .base import (IO_DTYPES, BackwardState, TileByTile, TileGrads, TileRowsBackward, backward_trimmed, deliver,
+                   empty_bshd, forward_trimmed, optional_module, trim_band)
 from .torch_tiles import TorchTiles
 
 log = logging.getLogger("sinkprof.fa4")
@@ -96,7 +102,7 @@ def _bshd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
-class FA4Tiles:
+class FA4Tiles(TileByTile):
     """The tile kernel interface on FlashAttention-4; see the module docstring."""
 
     name = "fa4"
@@ -113,6 +119,7 @@ class FA4Tiles:
         else:
             self._bias_tiles = self._torch
         self._refused: dict = {}
+        self._varlen: dict = {}     # the index tensors of each group, made once (a warm ring is graph-safe)
 
     def refused(self) -> dict:
         """What FA4 did not run, with the reason: what ``check`` notes and ``doctor`` reports."""
@@ -196,3 +203,56 @@ class FA4Tiles:
         if state.q.dtype not in IO_DTYPES or state.lse.dtype != torch.float32:
             return f"{state.q.dtype} runs on the torch tiles"
         return fa4_rows.unavailable_reason(version(), self.device)
+
+    # -- groups of tiles as one varlen call ---------------------------------------------------
+
+    def _varlen_args(self, q, k, rows, cols, band) -> Optional[dict]:
+        """FA4's varlen arguments for a group, or None when it must run tile by tile."""
+        if q.dtype not in IO_DTYPES or q.shape[0] != 1:
+            return None
+        windows = set()
+        for r, c in zip(rows, cols):
+            n_q, n_kv = r.stop - r.start, c.stop - c.start
+            trimmed = trim_band(band, n_q, n_kv)
+            if trimmed is None or trimmed[:2] != (slice(0, n_q), slice(0, n_kv)):
+                return None
+            windows.add(fa4_window(trimmed[2], n_q, n_kv))
+        if len(windows) != 1:
+            return None
+        causal, left, right = windows.pop()
+        key = (tuple((r.start, r.stop) for r in rows), tuple((c.start, c.stop) for c in cols), q.shape[2], k.shape[2])
+        if key not in self._varlen:
+            def index(parts, total):
+                starts = [p.start for p in parts] + [total]
+                return (torch.tensor(starts, dtype=torch.int32, device=q.device),
+                        torch.tensor([p.stop - p.start for p in parts], dtype=torch.int32, device=q.device))
+            (cu_q, used_q), (cu_k, used_k) = index(rows, q.shape[2]), index(cols, k.shape[2])
+            self._varlen[key] = dict(cu_seqlens_q=cu_q, seqused_q=used_q, cu_seqlens_k=cu_k, seqused_k=used_k,
+                                     max_seqlen_q=max(r.stop - r.start for r in rows),
+                                     max_seqlen_k=max(c.stop - c.start for c in cols))
+        return dict(self._varlen[key], causal=causal, window_size_left=left, window_size_right=right)
+
+    def forward_group(self, q, k, v, rows, cols, band, sink, scale, *, out=None, lse=None):
+        varlen = self._varlen_args(q, k, rows, cols, band)
+        if varlen is None:
+            return super().forward_group(q, k, v, rows, cols, band, sink, scale, out=out, lse=lse)
+        if out is None:
+            out = empty_bshd(q, q.shape[2])
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        with _program_name_only():
+            _fa4._flash_attn_fwd(_bshd(q)[0], _bshd(k)[0], _bshd(v)[0], softmax_scale=scale,
+                                 learnable_sink=self._sink(sink), return_lse=True, out=_bshd(out)[0], lse=lse[0],
+                                 **varlen)
+        return out, lse
+
+    def backward_group(self, q, k, v, o, grad_out, lse, rows, cols, band, sink, scale):
+        varlen = self._varlen_args(q, k, rows, cols, band)
+        if varlen is None:
+            return super().backward_group(q, k, v, o, grad_out, lse, rows, cols, band, sink, scale)
+        dq, dk, dv = empty_bshd(q, q.shape[2]), empty_bshd(k, k.shape[2]), empty_bshd(v, v.shape[2])
+        with _program_name_only():
+            grads = _fa4._flash_attn_bwd(_bshd(q)[0], _bshd(k)[0], _bshd(v)[0], _bshd(o)[0], _bshd(grad_out)[0],
+                                         lse[0], softmax_scale=scale, dq=_bshd(dq)[0], dk=_bshd(dk)[0],
+                                         dv=_bshd(dv)[0], learnable_sink=self._sink(sink), **varlen)
+        d_sink = None if sink is None else grads[3].reshape(sink.shape)
+        return TileGrads(dq, dk, dv, d_sink, None)

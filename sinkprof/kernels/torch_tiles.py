@@ -11,10 +11,10 @@ import torch
 
 from ..options import Band, SinkStrategy, accum_dtype
 from ..sink import sink_grad
-from .base import PerTileRows, TileGrads, deliver
+from .base import TileByTile, TileGrads, deliver
 
 
-class TorchTiles(PerTileRows):
+class TorchTiles(TileByTile):
     """Explicit math in the accumulator dtype: any dtype, any device, exact in fp64."""
 
     name = "torch"
