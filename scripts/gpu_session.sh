@@ -5,8 +5,9 @@
 #   device run, carry [".whl-a"]:         mkdir -p /tmp/wheels && cp .whl-a/* /tmp/wheels/
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
-# Steps: tests check window scale bench kernels rings final session3 (default: tests check window scale bench).
-# session3 is one device call. Each step's log lands in $OUT (at most 8 files
+# Steps: tests check window scale bench kernels rings final session3 pack (default: tests check window scale bench).
+# session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
+# on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
 # come back, so the step logs are also packed into $OUT/results.tgz).
 set -u
 what=" ${*:-tests check window scale bench} "
@@ -99,4 +100,8 @@ if [[ $what == *" session3 "* ]]; then   # <= 560 s of limits: the 128k predicti
           --head-dim 64 --format json --output "$OUT/check_thd_fa4_cp${ranks}_$dtype.json"
     done
   done
+fi
+if [[ $what == *" pack "* ]]; then   # issue 15's speed target: a 64k pack of 2k-16k documents at cp 8 against FA4 varlen
+  run pack_bench 150 python3 scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 --pack-len 65536 \
+      --pack-docs 2048-16384 --ring-backends fa4 --out "$OUT/pack_bench.json"
 fi
