@@ -4,6 +4,7 @@ monolithic kernel on the whole sequence. Needs a CUDA GPU (and the backends' pac
 
     python scripts/bench_kernels.py --out kernel_bench.json
     python scripts/bench_kernels.py --rings h16-d128:2,4,8 --masks causal --profile-step
+    python scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 --ring-backends fa4
 
 Tiles (one tile = the whole sequence): per backend, vanilla, the native sink (``step0``) and
 ``post-merge`` (vanilla + the sink folded into the output / vanilla + the closed-form sink
@@ -16,6 +17,14 @@ the other ranks from memory, no communication) for vanilla, learnable ``step0`` 
 ``post-merge``; the slowest is reported, and its rate against FA4's monolithic rate on the whole
 sequence (vanilla against vanilla, learnable against FA4 with the sink) is the ring efficiency.
 
+Packs (issue 15's target: the slowest rank's ring on a 64k pack of documents of 2k-16k tokens at
+cp = 8 at >= 0.90x FA4's varlen rate on the same pack): document lengths drawn from a seeded
+generator (multiples of 2 cp, summing to ``--pack-len``), each document cut into 2 cp chunks as
+``sinkprof.shard(..., cu_seqlens)`` cuts it, causal within each document; ranks 0, cp/2 and cp-1
+run their whole schedule as above, against one ``_flash_attn_fwd`` / ``_flash_attn_bwd`` call with
+``cu_seqlens_q = cu_seqlens_k`` on the whole pack. FLOPs on both sides: each document's own causal
+pairs. ``pack_setup`` builds the pack, its plans and shards on any device (the CPU tests use it).
+
 GPU times come from CUDA graph replays of each variant, alternated round after round: launch
 cost stays out of the kernel figures, and clock drift hits every variant alike (plain repeated
 runs of one kernel differed by up to 10% on the H200 of this workplace).
@@ -23,11 +32,15 @@ runs of one kernel differed by up to 10% on the H200 of this workplace).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -59,21 +72,25 @@ def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def interleaved_ms(fns: dict, calls: int = 4, rounds: int = 25) -> dict:
+def interleaved_ms(fns: dict, calls: int = 4, rounds: int = 25, graphed: bool = True) -> dict:
     """GPU milliseconds per call of each function: each one captured (so host launch cost and
     gaps are out of the figure), then replayed in alternating order, round after round, so clock
-    and thermal drift hit every variant alike. Median and spread (max - min) over the rounds."""
-    graphs = {name: capture(fn, calls) for name, fn in fns.items()}
+    and thermal drift hit every variant alike. Median and spread (max - min) over the rounds.
+    ``graphed=False``: ``calls`` eager calls per round instead of a replay (launch cost included)."""
+    if graphed:
+        runs = {name: capture(fn, calls).replay for name, fn in fns.items()}
+    else:
+        runs = {name: (lambda fn=fn: [fn() for _ in range(calls)]) for name, fn in fns.items()}
     times = {name: [] for name in fns}
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for r in range(rounds):
-        for name in (list(graphs) if r % 2 == 0 else list(reversed(graphs))):
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
             start.record()
-            graphs[name].replay()
+            runs[name]()
             stop.record()
             stop.synchronize()
             times[name].append(start.elapsed_time(stop) / calls)
-    del graphs
+    del runs
     return {name: {"ms": statistics.median(t), "spread_ms": max(t) - min(t)} for name, t in times.items()}
 
 
@@ -167,17 +184,30 @@ def tile_bench(b, h, g, s, d, band: Band, label: str) -> dict:
 RUNS = [("vanilla", SinkStrategy.STEP0), ("learnable", SinkStrategy.STEP0), ("learnable", SinkStrategy.POST_MERGE)]
 
 
-def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d, rows_path=True):
-    """(forward, backward) closures running one rank's whole schedule into preallocated buffers
-    (the ring K/V schedule: every step reads its owner's whole shard in place, no gather);
-    ``rows_path``: FA4's backward keeps dq across tiles (False: tile by tile)."""
+@dataclass
+class RankRing:
+    """One rank's whole schedule as two closures writing into preallocated buffers, and the buffers
+    (what a forward and a backward leave there; dK/dV add up over calls)."""
+
+    fwd: Callable
+    bwd: Callable
+    out: torch.Tensor     # [b, h, 2c, d]
+    dq: torch.Tensor      # [b, h, 2c, d] fp32
+    dks: list             # every rank's dK, [b, g, 2c, d] fp32
+    dvs: list
+
+
+def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d, rows_path=True) -> RankRing:
+    """One rank's whole schedule into preallocated buffers (the ring K/V schedule: every step
+    reads its owner's whole shard in place, no gather); ``rows_path``: FA4's backward keeps dq
+    across tiles (False: tile by tile)."""
     plan = schedule.plans[rank]
     b, h = qh.shape[:2]
     opts = CPOptions(make_spec(softmax, mask, None, "bshd"), d ** -0.5, kernel, strategy)
     a = sink if softmax == "learnable" else None
     # accumulators laid out as the ring lays them out (the user's bshd storage, seen as bhsd)
     o_acc = torch.empty_like(qh, dtype=torch.float32) if plan.accumulates else None
-    lse = torch.empty(b, h, qh.shape[2], dtype=torch.float32, device="cuda")
+    lse = torch.empty(b, h, qh.shape[2], dtype=torch.float32, device=qh.device)
     out = torch.empty_like(qh)
     dq = torch.empty_like(qh, dtype=torch.float32)
     dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
@@ -193,7 +223,78 @@ def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, 
             kernel.rows_path = rows_path
         run_backward(plan, LocalKV(ks, vs, schedule, rank, "bwd"), LocalDKV(dks, dvs), state=bwd_state, sink=a,
                      bias=None, opts=opts)
-    return fwd, bwd
+    return RankRing(fwd, bwd, out, dq, dks, dvs)
+
+
+def rank_flops(plan, b: int, h: int, d: int) -> int:
+    """Forward FLOPs of one rank's tiles: 4 b h d per visible (query, key) pair."""
+    return sum(4 * b * h * d * t.band.count(t.q_rows.stop - t.q_rows.start, t.kv_rows.stop - t.kv_rows.start)
+               for st in plan.steps for t in st.tiles)
+
+
+def _timed(fns: dict, calls: int = 2, rounds: int = 15) -> tuple[dict, str]:
+    """``interleaved_ms`` from CUDA graphs, or issued eagerly when a capture fails (said, and
+    returned as the timing used)."""
+    try:
+        return interleaved_ms(fns, calls, rounds), "graphs"
+    except RuntimeError as exc:
+        print(f"warning: CUDA graph capture failed ({str(exc)[:200]}); timing {sorted(fns)} eagerly")
+        torch.cuda.synchronize()
+        return interleaved_ms(fns, calls, rounds, graphed=False), "eager"
+
+
+def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sink, mask: str, d: int,
+                 profile: Optional[str] = None) -> list:
+    """Per name (a backend, or ``fa4-per-tile``: FA4 with its backward tile by tile) and variant of
+    ``RUNS``: the slowest (forward + backward) of ``ranks``, each running its whole schedule, the
+    variants interleaved. ``shards(rank)``: that rank's (q, dO) as ``[b, h, 2c, d]`` views; ``ks``,
+    ``vs``: every rank's K/V the same way. ``profile``: print the kernels of rank cp-1's learnable
+    step0 ring under this title."""
+    cp = schedule.cp
+    rows = []
+    for name in names:
+        kernel = get_kernel(name.removesuffix("-per-tile"), ks[0].device)
+        slowest = {}
+        for rank in ranks:
+            plan = schedule.plans[rank]
+            qh, dol = shards(rank)
+            flops = rank_flops(plan, qh.shape[0], qh.shape[1], d)
+            fns, host = {}, {}
+            for softmax, strategy in RUNS:
+                variant = f"{softmax} {strategy.value}"
+                ring = _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d,
+                                 rows_path=not name.endswith("-per-tile"))
+                ring.fwd(), ring.bwd()
+                host[variant] = (host_us(ring.fwd) + host_us(ring.bwd)) / (2 * len(plan.steps))
+                fns[variant + " fwd"], fns[variant + " bwd"] = ring.fwd, ring.bwd
+                if profile and rank == cp - 1 and (softmax, strategy) == RUNS[1]:
+                    _profile_step(f"{name} {profile} rank {rank} {variant}", ring.fwd, ring.bwd)
+            timed, timing = _timed(fns)
+            for softmax, strategy in RUNS:
+                variant = f"{softmax} {strategy.value}"
+                row = dict(backend=name, cp=cp, mask=mask, variant=variant, rank=rank, flops=flops,
+                           fwd_ms=timed[variant + " fwd"]["ms"], bwd_ms=timed[variant + " bwd"]["ms"],
+                           host_us_per_step_eager=host[variant], timing=timing)
+                best = slowest.get(variant)
+                if best is None or row["fwd_ms"] + row["bwd_ms"] > best["fwd_ms"] + best["bwd_ms"]:
+                    slowest[variant] = row
+        rows += slowest.values()
+    return rows
+
+
+def with_rates(rows: list, total: int, mono_ms: dict, mono: str = "fa4") -> list:
+    """Each row's TFLOP/s, and against the monolithic rate of ``total`` FLOPs (``mono_ms``: keys
+    ``f"{mono} {vanilla|learnable} {fwd|bwd}"``; vanilla against vanilla, learnable against the sink)."""
+    for row in rows:
+        row["fwd_tflops"] = row["flops"] / row["fwd_ms"] / 1e9
+        row["bwd_tflops"] = BWD_FLOPS * row["flops"] / row["bwd_ms"] / 1e9
+        tag = row["variant"].split()[0]
+        if mono_ms:
+            mono_fwd = total / mono_ms[f"{mono} {tag} fwd"]["ms"] / 1e9
+            mono_bwd = BWD_FLOPS * total / mono_ms[f"{mono} {tag} bwd"]["ms"] / 1e9
+            row |= dict(fa4_mono_fwd_tflops=mono_fwd, fa4_mono_bwd_tflops=mono_bwd,
+                        fwd_vs_fa4_mono=row["fwd_tflops"] / mono_fwd, bwd_vs_fa4_mono=row["bwd_tflops"] / mono_bwd)
+    return rows
 
 
 def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list) -> dict:
@@ -211,50 +312,124 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list) ->
         for tag, a in (("vanilla", None), ("learnable", sink)):
             mono[f"fa4 {tag} fwd"], mono[f"fa4 {tag} bwd"] = fa4_direct(q, k, v, band, a, d ** -0.5)
     mono_ms = interleaved_ms(mono, calls=2, rounds=15)
-    chunk = s // (2 * cp)
     ks = [shard(k, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]
     vs = [shard(v, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]
-    rows = []
-    for name in names:
-        kernel = get_kernel(name.removesuffix("-per-tile"), "cuda")
-        slowest = {}
-        schedule = CommSchedule(KVSchedule.RING, cp, chunk, band)
-        for rank in sorted({0, cp // 2, cp - 1}):
-            plan = schedule.plans[rank]
-            qh = shard(q, cp, rank, 1).permute(0, 2, 1, 3)
-            dol = shard(do, cp, rank, 1).permute(0, 2, 1, 3)
-            flops = sum(4 * b * h * d * t.band.count(t.q_rows.stop - t.q_rows.start, t.kv_rows.stop - t.kv_rows.start)
-                        for st in plan.steps for t in st.tiles)
-            fns, host = {}, {}
-            for softmax, strategy in RUNS:
-                variant = f"{softmax} {strategy.value}"
-                fwd, bwd = _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d,
-                                     rows_path=not name.endswith("-per-tile"))
-                fwd(), bwd()
-                host[variant] = (host_us(fwd) + host_us(bwd)) / (2 * len(plan.steps))
-                fns[variant + " fwd"], fns[variant + " bwd"] = fwd, bwd
-                if profile and rank == cp - 1 and (softmax, strategy) == RUNS[1]:
-                    _profile_step(f"{name} cp={cp} {mask} rank {rank} {variant}", fwd, bwd)
-            timed = interleaved_ms(fns, calls=2, rounds=15)
-            for softmax, strategy in RUNS:
-                variant = f"{softmax} {strategy.value}"
-                row = dict(backend=name, cp=cp, mask=mask, variant=variant, rank=rank, flops=flops,
-                           fwd_ms=timed[variant + " fwd"]["ms"], bwd_ms=timed[variant + " bwd"]["ms"],
-                           host_us_per_step_eager=host[variant])
-                best = slowest.get(variant)
-                if best is None or row["fwd_ms"] + row["bwd_ms"] > best["fwd_ms"] + best["bwd_ms"]:
-                    slowest[variant] = row
-        for row in slowest.values():
-            row["fwd_tflops"] = row["flops"] / row["fwd_ms"] / 1e9
-            row["bwd_tflops"] = BWD_FLOPS * row["flops"] / row["bwd_ms"] / 1e9
-            tag = row["variant"].split()[0]
-            if mono_ms:
-                mono_fwd = total / mono_ms[f"fa4 {tag} fwd"]["ms"] / 1e9
-                mono_bwd = BWD_FLOPS * total / mono_ms[f"fa4 {tag} bwd"]["ms"] / 1e9
-                row |= dict(fa4_mono_fwd_tflops=mono_fwd, fa4_mono_bwd_tflops=mono_bwd,
-                            fwd_vs_fa4_mono=row["fwd_tflops"] / mono_fwd, bwd_vs_fa4_mono=row["bwd_tflops"] / mono_bwd)
-            rows.append(row)
-    return {"cp": cp, "shape": dict(b=b, h=h, g=g, s=s, d=d), "mask": mask, "rows": rows}
+    schedule = CommSchedule(KVSchedule.RING, cp, s // (2 * cp), band)
+
+    def shards(rank):
+        return shard(q, cp, rank, 1).permute(0, 2, 1, 3), shard(do, cp, rank, 1).permute(0, 2, 1, 3)
+    rows = slowest_rank(names, schedule, sorted({0, cp // 2, cp - 1}), shards, ks, vs, sink, mask, d,
+                        profile=f"cp={cp} {mask}" if profile else None)
+    return {"cp": cp, "shape": dict(b=b, h=h, g=g, s=s, d=d), "mask": mask, "rows": with_rates(rows, total, mono_ms)}
+
+
+PACK_MASK = "causal"
+
+
+def pack_lengths(total: int, lo: int, hi: int, multiple: int, seed: int) -> list:
+    """Document lengths from ``random.Random(seed)``: multiples of ``multiple`` in ``[lo, hi]``,
+    summing to ``total``, in drawn order shuffled (the remainder is not always last)."""
+    for name, n in (("the pack", total), ("the shortest document", lo), ("the longest document", hi)):
+        if n < 1 or n % multiple:
+            raise ValueError(f"{name} has {n} tokens: a positive multiple of {multiple} (2 * cp) is needed")
+    if not lo <= total or hi < 2 * lo:
+        raise ValueError(f"documents of {lo}-{hi} tokens in a pack of {total}: need lo <= total and hi >= 2 lo")
+    rng = random.Random(seed)
+    docs, left = [], total
+    while left > hi:   # leave at least lo for the rest: hi >= 2 lo makes any rest above hi splittable
+        n = rng.randrange(lo, min(hi, left - lo) + 1, multiple)
+        docs.append(n)
+        left -= n
+    docs.append(left)
+    rng.shuffle(docs)
+    return docs
+
+
+@dataclass
+class Pack:
+    """A seeded pack of documents (thd: ``[t, h|g, d]``) and its ring of ``cp`` ranks: each document cut
+    into 2 cp chunks, rank r holding chunks r and 2cp-1-r of every document (``sinkprof.shard``)."""
+
+    docs: list
+    cu_seqlens: torch.Tensor    # int32 [documents + 1], on the pack's device
+    q: torch.Tensor             # [t, h, d]
+    k: torch.Tensor             # [t, g, d]
+    v: torch.Tensor
+    do: torch.Tensor            # [t, h, d]
+    sink: torch.Tensor          # [1, h, 1, 1] fp32
+    schedule: CommSchedule      # the ring K/V schedule over the documents' chunks
+    ks: list                    # every rank's K shard, [1, g, 2 sum(chunks), d] (bhsd views of bshd storage)
+    vs: list
+
+    @property
+    def cp(self) -> int:
+        return self.schedule.cp
+
+    @property
+    def flops(self) -> int:
+        """Forward FLOPs of the whole pack: each document's own causal pairs, 4 h d each."""
+        _, h, d = self.q.shape
+        band = self.schedule.band
+        return sum(4 * h * d * band.count(n, n) for n in self.docs)
+
+    def rank_shard(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s rows of a ``[t, heads, d]`` pack tensor as a ``[1, heads, rows, d]`` view."""
+        return shard(x.unsqueeze(0), self.cp, rank, 1, [0, *itertools.accumulate(self.docs)]).permute(0, 2, 1, 3)
+
+    def shards(self, rank: int) -> tuple:
+        """(q, dO) of rank ``rank``, as ``slowest_rank`` takes them."""
+        return self.rank_shard(self.q, rank), self.rank_shard(self.do, rank)
+
+
+def pack_setup(cp: int, h: int, g: int, d: int, docs: list, device, dtype=torch.bfloat16, seed: int = 1) -> Pack:
+    """Seeded inputs of a pack of ``docs`` on ``device``, its ring schedule and every rank's K/V shard."""
+    cu = [0, *itertools.accumulate(docs)]
+    spec = make_spec("vanilla", PACK_MASK, None, "thd", cu)
+    t = cu[-1]
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+    q, do = rand(t, h, d), rand(t, h, d)
+    k, v = rand(t, g, d), rand(t, g, d)
+    sink = torch.randn(1, h, 1, 1, generator=gen, device=device) * 5
+    schedule = CommSchedule(KVSchedule.RING, cp, spec.chunks(t, cp), spec.band)
+    p = Pack(list(docs), torch.tensor(cu, dtype=torch.int32, device=device), q, k, v, do, sink, schedule, [], [])
+    p.ks = [p.rank_shard(k, r) for r in range(cp)]
+    p.vs = [p.rank_shard(v, r) for r in range(cp)]
+    return p
+
+
+def fa4_varlen(p: Pack, sink, scale: float):
+    """FA4's varlen call on the whole pack (``cu_seqlens_q = cu_seqlens_k``, causal within each
+    document, lse ``[h, t]``): (forward, backward) closures."""
+    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+    longest = max(p.docs)
+    kw = dict(softmax_scale=scale, causal=True, cu_seqlens_q=p.cu_seqlens, cu_seqlens_k=p.cu_seqlens,
+              max_seqlen_q=longest, max_seqlen_k=longest, learnable_sink=None if sink is None else sink.reshape(-1))
+    o, lse = _flash_attn_fwd(p.q, p.k, p.v, return_lse=True, **kw)[:2]
+    return (lambda: _flash_attn_fwd(p.q, p.k, p.v, return_lse=True, **kw),
+            lambda: _flash_attn_bwd(p.q, p.k, p.v, o, p.do, lse, **kw))
+
+
+def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names: list) -> dict:
+    """The slowest of ranks 0, cp/2, cp-1 per backend and variant on a pack (causal within each
+    document), against FA4's varlen monolithic call on the same pack; FLOPs on both sides are the
+    documents' own causal work."""
+    p = pack_setup(cp, h, g, d, docs, "cuda")
+    mono = {}
+    if "fa4" in backends():
+        for tag, a in (("vanilla", None), ("learnable", p.sink)):
+            mono[f"fa4 varlen {tag} fwd"], mono[f"fa4 varlen {tag} bwd"] = fa4_varlen(p, a, d ** -0.5)
+    mono_ms, timing = _timed(mono)
+    for name, r in mono_ms.items():   # in the log before the ring runs, should the step be stopped
+        rate = p.flops * (BWD_FLOPS if name.endswith("bwd") else 1) / r["ms"] / 1e9
+        print(f"{name}: {r['ms']:.3f} ms, {rate:.1f} TFLOP/s ({timing})")
+    rows = slowest_rank(names, p.schedule, sorted({0, cp // 2, cp - 1}), p.shards, p.ks, p.vs, p.sink, PACK_MASK,
+                        d, profile=f"pack cp={cp}" if profile else None)
+    return {"cp": cp, "shape": dict(t=sum(docs), h=h, g=g, d=d), "docs": list(docs), "mask": PACK_MASK,
+            "flops": p.flops, "fa4_varlen_ms": mono_ms, "fa4_varlen_timing": timing,
+            "rows": with_rates(rows, p.flops, mono_ms, mono="fa4 varlen")}
 
 
 def _profile_step(title: str, fwd, bwd) -> None:
@@ -281,20 +456,61 @@ def _configs(text: str) -> list:
     return out
 
 
-def main() -> None:
+def _print_rows(rows: list, against: str) -> None:
+    for row in rows:
+        eff = (f" | vs {against} fwd {row['fwd_vs_fa4_mono']:.3f} bwd {row['bwd_vs_fa4_mono']:.3f}"
+               if "fwd_vs_fa4_mono" in row else "")
+        print(f"{row['backend']:12s} {row['variant']:21s} rank {row['rank']}: fwd {row['fwd_tflops']:6.1f} "
+              f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step")
+
+
+def pack_cases(args) -> list:
+    """``--packs`` with ``--pack-len``, ``--pack-docs``, ``--pack-seed`` -> [(config, cp, document
+    lengths)]; ValueError when a config or the lengths cannot be."""
+    lo, sep, hi = args.pack_docs.partition("-")
+    if not sep or not lo.isdigit() or not hi.isdigit():
+        raise ValueError(f"--pack-docs {args.pack_docs!r}: give LO-HI, e.g. 2048-16384")
+    cases = []
+    for name, cps in _configs(args.packs):
+        if name not in CONFIGS:
+            raise ValueError(f"--packs: {name!r} is not one of {sorted(CONFIGS)}")
+        for cp in cps:
+            cases.append((name, cp, pack_lengths(args.pack_len, int(lo), int(hi), 2 * cp, args.pack_seed)))
+    return cases
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tile-s", type=int, default=8192)
     ap.add_argument("--s-rank", type=int, default=8192, help="tokens per rank in the ring benchmarks")
     ap.add_argument("--rings", default="h16-d128:2,4,8;gpt-oss:2,4,8", help=f"configs from {sorted(CONFIGS)}")
     ap.add_argument("--masks", default="causal,no_mask")
     ap.add_argument("--ring-backends", default=None,
-                    help="backends of the ring benchmarks, and fa4-per-tile (default: every backend here, and fa4-per-tile)")
+                    help="backends of the ring and pack benchmarks, and fa4-per-tile (default: every backend "
+                         "here, and fa4-per-tile)")
+    ap.add_argument("--packs", default="", help="pack benchmarks, config:cp,cp;... (e.g. gpt-oss:8): a pack of "
+                    "--pack-len tokens in documents of --pack-docs lengths, causal (default: none)")
+    ap.add_argument("--pack-len", type=int, default=65536, help="tokens in a pack")
+    ap.add_argument("--pack-docs", default="2048-16384", help="LO-HI: document lengths, drawn from --pack-seed "
+                    "as multiples of 2 * cp")
+    ap.add_argument("--pack-seed", type=int, default=0)
     ap.add_argument("--skip-tiles", action="store_true")
     ap.add_argument("--profile-step", action="store_true", help="print the kernels of one warm ring per config")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    try:
+        args.pack_cases = pack_cases(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    sys.argv = sys.argv[:1]   # the CuTe DSL parses the command line at every FA4 compile (sinkprof.kernels.fa4)
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "backends": backends(),
-              "fused sink kernels": fused.disabled_reason() or "on", "args": vars(args), "tiles": [], "rings": []}
+              "fused sink kernels": fused.disabled_reason() or "on", "args": vars(args), "tiles": [], "rings": [],
+              "packs": []}
     print("backends:", report["backends"], "| fused sink kernels:", report["fused sink kernels"])
     if not args.skip_tiles:
         for label, (h, g, d), band in (("h32 d128 causal", CONFIGS["h32-d128"], Band(None, 0)),
@@ -316,11 +532,16 @@ def main() -> None:
                 report["rings"].append(r | {"config": name})
                 print(f"\n## ring {name} cp={cp} s={r['shape']['s']} {mask}: slowest rank's schedule, TFLOP/s "
                       "(and against FA4 monolithic)")
-                for row in r["rows"]:
-                    eff = (f" | vs FA4 mono fwd {row['fwd_vs_fa4_mono']:.3f} bwd {row['bwd_vs_fa4_mono']:.3f}"
-                           if "fwd_vs_fa4_mono" in row else "")
-                    print(f"{row['backend']:12s} {row['variant']:21s} rank {row['rank']}: fwd {row['fwd_tflops']:6.1f} "
-                          f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step")
+                _print_rows(r["rows"], "FA4 mono")
+    for name, cp, docs in args.pack_cases:
+        h, g, d = CONFIGS[name]
+        r = pack_bench(cp, h, g, d, docs, args.profile_step, ring_names)
+        report["packs"].append(r | {"config": name})
+        print(f"\n## pack {name} cp={cp} t={sum(docs)}, {len(docs)} documents {docs}, causal: slowest rank's "
+              f"schedule, TFLOP/s (and against FA4 varlen monolithic on the pack; target >= 0.90)")
+        _print_rows(r["rows"], "FA4 varlen")
+        if args.out:   # a pack is minutes of work: keep what is measured if a later one is stopped
+            Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     refused = {}
     for name in backends():
         refused |= {f"{name}: {k[0]}": v for k, v in get_kernel(name, "cuda").refused().items()}

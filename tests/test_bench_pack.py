@@ -1,0 +1,156 @@
+"""The pack benchmark of scripts/bench_kernels.py on the CPU: the seeded document lengths, the
+command line, the pack's plans and shards (the ring it times computes the pack's attention), the
+slowest-rank bookkeeping, and the FA4 varlen call's arguments against FA4's own checks (the GPU
+timings themselves run only on the H200)."""
+import importlib.util
+import itertools
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from sinkprof.kernels import get_kernel
+from sinkprof.options import make_spec
+from sinkprof.testing import Inputs, reference
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_kernels.py"
+
+
+@pytest.fixture(scope="module")
+def bk():
+    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_kernels"] = module   # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("bench_kernels", None)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pack_lengths_are_multiples_of_2cp_in_range_summing_to_the_pack(bk, seed):
+    docs = bk.pack_lengths(65536, 2048, 16384, 16, seed)
+    assert sum(docs) == 65536
+    assert all(2048 <= n <= 16384 and n % 16 == 0 for n in docs)
+    assert docs == bk.pack_lengths(65536, 2048, 16384, 16, seed)
+
+
+def test_pack_lengths_differ_by_seed_and_refuse_impossible_packs(bk):
+    assert len({tuple(bk.pack_lengths(65536, 2048, 16384, 16, s)) for s in range(10)}) > 5
+    for args in ((65536, 2048, 16384, 24, 0), (65536, 2048, 3072, 16, 0), (1024, 2048, 16384, 16, 0)):
+        with pytest.raises(ValueError):
+            bk.pack_lengths(*args)
+    assert bk.pack_lengths(4096, 2048, 16384, 16, 0) == [4096]
+
+
+def test_the_gpu_session_command_line_parses_into_one_64k_pack_at_cp_8(bk):
+    args = bk.parse_args(["--skip-tiles", "--rings", "", "--packs", "gpt-oss:8", "--ring-backends", "fa4",
+                          "--out", "x.json"])
+    assert bk._configs(args.rings) == []
+    [(name, cp, docs)] = args.pack_cases
+    assert (name, cp, sum(docs)) == ("gpt-oss", 8, 65536) and min(docs) >= 2048 and max(docs) <= 16384
+    for bad in (["--pack-docs", "2048"], ["--packs", "nope:8"], ["--packs", "gpt-oss:6", "--pack-len", "65532"]):
+        with pytest.raises(SystemExit):
+            bk.parse_args(["--packs", "gpt-oss:8", *bad])
+
+
+def test_every_rank_of_the_64k_pack_does_an_equal_share_of_the_documents_causal_work(bk):
+    from sinkprof.options import Band, KVSchedule
+    from sinkprof.schedule import CommSchedule
+    docs = bk.pack_lengths(65536, 2048, 16384, 16, 0)
+    schedule = CommSchedule(KVSchedule.RING, 8, tuple(n // 16 for n in docs), Band(None, 0))
+    total = sum(4 * 64 * 64 * n * (n + 1) // 2 for n in docs)
+    assert [bk.rank_flops(plan, 1, 64, 64) for plan in schedule.plans] == [total // 8] * 8
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_pack_ring_each_rank_runs_is_the_packs_attention(bk, cp):
+    """The benchmark's inputs, shards, schedule and loops (torch tiles, fp32) against the reference."""
+    docs = bk.pack_lengths(16 * cp * 6, 8 * cp, 32 * cp, 2 * cp, seed=cp)
+    h, g, d = 4, 2, 8
+    p = bk.pack_setup(cp, h, g, d, docs, "cpu", dtype=torch.float32, seed=3)
+    assert p.flops == sum(4 * h * d * n * (n + 1) // 2 for n in docs)
+    assert sum(bk.rank_flops(plan, 1, h, d) for plan in p.schedule.plans) == p.flops
+    assert p.cu_seqlens.dtype == torch.int32 and p.cu_seqlens.tolist() == [0, *itertools.accumulate(docs)]
+    kernel = get_kernel("torch", "cpu")
+    for softmax, strategy in bk.RUNS:
+        spec = make_spec(softmax, "causal", None, "thd", p.cu_seqlens.tolist())
+        ref = reference(Inputs(p.q, p.k, p.v, p.sink if softmax == "learnable" else None, None, p.do), spec)
+        dk = [torch.zeros_like(x, dtype=torch.float32) for x in p.ks]
+        dv = [torch.zeros_like(x, dtype=torch.float32) for x in p.vs]
+        for rank in range(cp):
+            qh, dol = p.shards(rank)
+            ring = bk._ring_fns(kernel, p.schedule, rank, qh, dol, p.ks, p.vs, p.sink, softmax, strategy, "causal", d)
+            ring.fwd()
+            ring.bwd()
+            for name, got, want in (("out", ring.out, ref.out), ("dq", ring.dq, ref.dq)):
+                err = (got.double() - p.rank_shard(want, rank)).abs().max()
+                assert err < 1e-4, (softmax, strategy, rank, name, float(err))
+            for acc, part in zip(dk + dv, ring.dks + ring.dvs):
+                acc += part
+        for rank in range(cp):
+            assert (dk[rank].double() - p.rank_shard(ref.dk, rank)).abs().max() < 1e-4
+            assert (dv[rank].double() - p.rank_shard(ref.dv, rank)).abs().max() < 1e-4
+
+
+def test_the_slowest_rank_rows_and_their_rates_on_the_cpu(bk, monkeypatch):
+    """The bookkeeping the GPU run does, with wall-clock timings standing in for CUDA graph replays."""
+    def cpu_ms(fns, calls=2, rounds=15, graphed=True):
+        out = {}
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            out[name] = {"ms": (time.perf_counter() - t0) * 1e3, "spread_ms": 0.0}
+        return out
+    monkeypatch.setattr(bk, "interleaved_ms", cpu_ms)
+    monkeypatch.setattr(bk, "host_us", lambda fn, calls=20: 1.0)
+    docs = bk.pack_lengths(96, 8, 32, 8, seed=1)
+    p = bk.pack_setup(4, 4, 2, 8, docs, "cpu", dtype=torch.float32)
+    rows = bk.slowest_rank(["torch"], p.schedule, [0, 2, 3], p.shards, p.ks, p.vs, p.sink, "causal", 8)
+    assert [r["variant"] for r in rows] == ["vanilla step0", "learnable step0", "learnable post-merge"]
+    assert all(r["rank"] in (0, 2, 3) and r["flops"] == p.flops // 4 and r["timing"] == "graphs" for r in rows)
+    mono = {f"fa4 varlen {tag} {phase}": {"ms": 1.0} for tag in ("vanilla", "learnable") for phase in ("fwd", "bwd")}
+    bk.with_rates(rows, p.flops, mono, mono="fa4 varlen")
+    for r in rows:
+        assert r["fwd_vs_fa4_mono"] == pytest.approx(r["fwd_tflops"] / (p.flops / 1e9))
+        assert r["bwd_vs_fa4_mono"] == pytest.approx(r["bwd_tflops"] / (2.5 * p.flops / 1e9))
+
+
+def test_the_fa4_varlen_call_passes_what_fa4s_interface_asserts(bk, monkeypatch):
+    """A stand-in for flash_attn.cute.interface holding FA4 4.0.0b36's argument checks for varlen."""
+    calls = []
+
+    def fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+            softmax_scale=None, causal=False, learnable_sink=None, return_lse=False):
+        t, h, d = q.shape
+        batch = cu_seqlens_q.shape[0] - 1
+        assert k.shape == v.shape and k.dim() == 3 and k.shape[0] == t and h % k.shape[1] == 0
+        for cu in (cu_seqlens_q, cu_seqlens_k):
+            assert cu.dtype == torch.int32 and cu.shape == (batch + 1,) and cu.stride(0) == 1
+        assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int) and causal and return_lse
+        assert learnable_sink is None or (learnable_sink.shape == (h,) and learnable_sink.dtype == torch.float32)
+        calls.append("fwd")
+        return torch.empty_like(q), torch.empty(h, t), None, None, None
+
+    def bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=None, max_seqlen_k=None, learnable_sink=None):
+        t, h, _ = q.shape
+        assert out.shape == dout.shape == q.shape and lse.shape == (h, t), "lse must have shape (num_head, total_q)"
+        assert cu_seqlens_q is cu_seqlens_k and causal and isinstance(max_seqlen_q, int)
+        calls.append("bwd")
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd, interface._flash_attn_bwd = fwd, bwd
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    p = bk.pack_setup(2, 8, 2, 16, [32, 64, 32], "cpu")
+    for sink in (None, p.sink):
+        f, b = bk.fa4_varlen(p, sink, 0.25)
+        f()
+        b()
+    assert calls == ["fwd", "fwd", "bwd"] * 2
