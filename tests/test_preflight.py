@@ -162,6 +162,24 @@ def test_flash_tiles_keep_the_device_estimate_linear_and_a_simulation_is_one_pro
         preflight.check_memory([big], 8, "cpu", False, host_free=int(1.5 * one) + 2 ** 30)
 
 
+def test_a_packs_tile_memory_is_its_longest_documents_so_a_pack_of_short_ones_fits():
+    def pack(seqlens):
+        return Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp64",), qkv_format=("thd",),
+                        seqlens=seqlens, seq_len=sum(seqlens), ranks=2)
+
+    short = pack((4096,) * 16)                    # 64k tokens in 16 documents: 2k x 1k tiles
+    mixed = pack((4096,) * 8 + (2048,) * 16)      # the same pack, the same longest document
+    long = pack((2 ** 16,))                       # 64k tokens in one document: 32k x 16k tiles
+    need = {name: preflight.case_need(expand(s)[0], 2, False) for name, s in
+            (("short", short), ("mixed", mixed), ("long", long))}
+    assert need["short"] == need["mixed"]
+    assert need["long"][1] - need["short"][1] == 3 * 4 * (2 * 16384 * 16384 - 2 * 1024 * 1024) * 8
+    preflight.check_memory([short], 2, "cpu", False, host_free=8 * 2 ** 30)
+    with pytest.raises(ValueError, match=r"needs about .* GiB of host memory .*docs=65536.* and 8.0 GiB is available; "
+                                         r"shorten the pack or its longest document \(--seqlens"):
+        preflight.check_memory([long], 2, "cpu", False, host_free=8 * 2 ** 30)
+
+
 def test_every_fault_applies_to_the_case_that_would_show_it():
     learnable = Settings(softmax=("learnable",), comm=("a2a",), qkv_format=("thd",), seqlens=(16, 32, 16), ranks=2)
     cases = expand(learnable)

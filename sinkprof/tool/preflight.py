@@ -156,8 +156,10 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
     Host: the full-sequence fp64 inputs and their rounded copy (``make_inputs``). Device (the
     host when the run is on the CPU): the reference's fp64 inputs, results and one score block,
     and the CP run's shard, ring buffers, gradients and, with ``tile_scores`` (the torch tiles,
-    which hold a tile's scores; cuDNN and FA4 never do), a tile's scores. A bias is
-    ``[1, h, S, S]`` on every rank: quadratic in the sequence whatever the algorithm.
+    which hold a tile's scores; cuDNN and FA4 never do), a tile's scores. A thd pack's tiles are
+    its documents' own (``plan.ring_plan``), so its largest tile is its longest document's, not
+    the pack's. A bias is ``[1, h, S, S]`` on every rank: quadratic in the sequence whatever the
+    algorithm.
     """
     sh = case.shape
     elem = DTYPES[case.dtype].itemsize
@@ -170,7 +172,7 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
         block = min(REFERENCE_BLOCK, sh.b * sh.h * sh.s * sh.s * 8)
         device += (full + bias) * 8 * 2 + 4 * block    # fp64 inputs and results, the score block
     local = full // ranks
-    chunk = max(1, sh.s // (2 * ranks))
+    chunk = max(1, max(case.docs, default=sh.s) // (2 * ranks))    # of the longest document
     device += local * (elem * 4 + acc * 2) + (full + bias) * elem + bias * (elem + acc)
     if tile_scores or case.bias:    # bias tiles fall back to the torch tiles
         device += 3 * sh.b * sh.h * (2 * chunk) * chunk * acc     # a tile's scores, probabilities, gradient
@@ -196,7 +198,10 @@ def check_memory(groups: list, ranks: int, device: str, reference: bool, procs: 
             host_need, dev_need = max(host_need, h), max(dev_need, d)
     host_need += RANK_OVERHEAD
     host_free = host_available() if host_free is None else host_free
-    fix = "lower --seq-len, --batch, --heads or --head-dim, drop --bias, or use fewer --ranks on one machine"
+    fix = ("lower --seq-len, --batch, --heads or --head-dim, drop --bias, or use fewer --ranks on one machine"
+           if worst is None or not worst.docs else
+           "shorten the pack or its longest document (--seqlens, or --seq-len with more --docs), lower --heads or "
+           "--head-dim, or use fewer --ranks on one machine")
     if host_need * local > host_free:
         raise ValueError(f"this run needs about {_gib(host_need * local)} of host memory ({_gib(host_need)} per rank "
                          f"x {local} rank(s), largest case {worst.label if worst else '-'}, s={worst.shape.s if worst else '-'}) "
