@@ -252,7 +252,8 @@ def emulate(
 ):
     """Replay every rank's ring schedule in fp64 in one process and compare with the reference.
 
-    Exit 0 when step0 and post-merge match to 1e-12 and the every-tile bug is detected, else 1.
+    Exit 0 when step0 and post-merge match to 1e-12 and the every-tile bug is detected, else 1;
+    2 for usage errors, every-tile included where it cannot change a result (a one-rank ring).
     """
     from .options import QKVFormat
     from .testing import Shape

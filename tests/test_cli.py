@@ -67,6 +67,34 @@ def test_bad_options_exit_2_with_a_message_naming_them(args, message):
     assert message in res.output
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--comm", "a2a+p2p", "--a2a-size", "2", "--cp", "2,4"],
+     "--strategy every-tile: --cp 2 with --comm a2a+p2p --a2a-size 2 runs a p2p ring of one rank (cp / a2a-size), "
+     "so the bug (the sink counted once per tile) cannot change a result and the replay cannot detect it; give "
+     "every --cp at least 4 (2 * --a2a-size), or leave every-tile out (--strategy step0,post-merge)"),
+    (["--comm", "a2a+p2p", "--a2a-size", "4", "--cp", "4", "--kv-heads", "4", "--strategy", "every-tile",
+      "--qkv-format", "thd", "--seqlens", "24,40"], "--cp 4 with --comm a2a+p2p --a2a-size 4 runs a p2p ring of one"),
+    (["--cp", "1,2", "--strategy", "every-tile"], "--cp 1 runs a ring of one rank"),
+    (["--cp", "4", "--window", "0,0", "--mask", "causal"], "--window 0,0 (--mask causal) puts each row's keys in one tile"),
+])
+def test_emulate_refuses_every_tile_where_it_cannot_change_a_result(args, message):
+    res = runner.invoke(app, ["emulate", *args])
+    assert res.exit_code == 2, res.output
+    assert message in " ".join(res.output.split()), res.output
+    assert "Traceback" not in res.output
+
+
+def test_emulate_a2a_p2p_without_every_tile_at_cp_equal_to_a2a_size_and_with_it_on_a_ring_of_two():
+    res = runner.invoke(app, ["emulate", "--comm", "a2a+p2p", "--a2a-size", "2", "--cp", "2", "--strategy",
+                              "step0,post-merge", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["passed"] is True
+    res = runner.invoke(app, ["emulate", "--comm", "a2a+p2p", "--a2a-size", "2", "--cp", "4", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    bug = [r for r in json.loads(res.stdout)["results"] if r["strategy"] == "every-tile"]
+    assert bug and all(not r["passed"] and r["ok"] for r in bug)
+
+
 def test_emulate_in_a_real_subprocess(cli):
     res = cli("emulate", "--cp", "2", "--mask", "no_mask", "--format", "json")
     assert res.returncode == 0, res.stderr

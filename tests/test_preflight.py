@@ -1,5 +1,7 @@
 """Every usage error is found before any rank starts: exit 2, a message naming the option (or the
 profile file and key) and the fix, no traceback, in a second or two."""
+import dataclasses
+import itertools
 import re
 import shlex
 import time
@@ -160,13 +162,34 @@ def test_flash_tiles_keep_the_device_estimate_linear_and_a_simulation_is_one_pro
         preflight.check_memory([big], 8, "cpu", False, host_free=int(1.5 * one) + 2 ** 30)
 
 
+def test_a_packs_tile_memory_is_its_longest_documents_so_a_pack_of_short_ones_fits():
+    def pack(seqlens):
+        return Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp64",), qkv_format=("thd",),
+                        seqlens=seqlens, seq_len=sum(seqlens), ranks=2)
+
+    short = pack((4096,) * 16)                    # 64k tokens in 16 documents: 2k x 1k tiles
+    mixed = pack((4096,) * 8 + (2048,) * 16)      # the same pack, the same longest document
+    long = pack((2 ** 16,))                       # 64k tokens in one document: 32k x 16k tiles
+    need = {name: preflight.case_need(expand(s)[0], 2, False) for name, s in
+            (("short", short), ("mixed", mixed), ("long", long))}
+    assert need["short"] == need["mixed"]
+    assert need["long"][1] - need["short"][1] == 3 * 4 * (2 * 16384 * 16384 - 2 * 1024 * 1024) * 8
+    preflight.check_memory([short], 2, "cpu", False, host_free=8 * 2 ** 30)
+    with pytest.raises(ValueError, match=r"needs about .* GiB of host memory .*docs=65536.* and 8.0 GiB is available; "
+                                         r"shorten the pack or its longest document \(--seqlens"):
+        preflight.check_memory([long], 2, "cpu", False, host_free=8 * 2 ** 30)
+
+
 def test_every_fault_applies_to_the_case_that_would_show_it():
     learnable = Settings(softmax=("learnable",), comm=("a2a",), qkv_format=("thd",), seqlens=(16, 32, 16), ranks=2)
     cases = expand(learnable)
-    for fault in Fault:
-        if fault is not Fault.DROP_HALO:      # a2a moves no K/V rows to drop
-            assert preflight.applies(fault, cases[0], 2), fault
-    assert not preflight.applies(Fault.DROP_HALO, cases[0], 2)
+    # a2a runs a ring of one rank: no K/V rows to drop, no row that a second tile sees, no ring rank 1
+    ring_faults = (Fault.DROP_HALO, Fault.SINK_EVERY_TILE, Fault.STALL, Fault.CRASH)
+    assert [f for f in Fault if preflight.applies(f, cases[0], 2)] == [f for f in Fault if f not in ring_faults]
+    hierarchical = expand(dataclasses.replace(learnable, comm=("a2a+p2p",), seqlens=(32, 64, 32), seq_len=128,
+                                              ranks=4))[0]
+    assert [preflight.applies(f, hierarchical, 4) for f in ring_faults[1:]] == [True, True, True]
+    assert not any(preflight.applies(f, hierarchical, 2) for f in ring_faults[1:])   # ranks == --a2a-size 2
     # doc-leak needs two documents, and a window that lets a row see a key before its own position
     one_doc = expand(Settings(softmax=("learnable",), qkv_format=("thd",), seqlens=(64,)))[0]
     bshd = expand(Settings(softmax=("learnable",)))[0]
@@ -181,6 +204,48 @@ def test_every_fault_applies_to_the_case_that_would_show_it():
     assert not any(preflight.applies(f, vanilla_p2p, 2) for f in
                    (Fault.SINK_EVERY_TILE, Fault.NO_SINK_REDUCE, Fault.ALIASED_REFERENCE, Fault.VANILLA_FALLBACK,
                     Fault.SKIP_SINK_SLICE))
+
+
+def test_sink_every_tile_applies_exactly_where_the_emulator_under_it_fails():
+    """The preflight's answer agrees with the emulator run under the fault, case by case: a ring of
+    one rank (cp 1, or a2a+p2p with cp = --a2a-size, or plain a2a) or a diagonal window hides it."""
+    from sinkprof import faults
+    from sinkprof.emulate import emulate_hierarchical, emulate_ring
+    from sinkprof.options import SinkStrategy
+    from sinkprof.testing import make_inputs, reference
+    seen = set()
+    for mask, window, fmt, cp, comm in itertools.product(
+            ["causal", "no_mask"], [None, (0, 0), (1, 0), (0, 2)], ["bshd", "thd"], [1, 2, 4], ["p2p", "a2a", "a2a+p2p"]):
+        if (mask == "causal" and window is not None and window[1] != 0) or (comm != "p2p" and cp == 1):
+            continue
+        s = Settings(softmax=("learnable",), mask=(mask,), window=window, qkv_format=(fmt,), comm=(comm,), ranks=cp,
+                     seq_len=32, seqlens=(8, 16, 8) if fmt == "thd" else None, heads=4, kv_heads=4, head_dim=8,
+                     dtype=("fp64",))
+        s.validate()
+        (case,) = expand(s)
+        spec = case.spec()
+        x = make_inputs(case.shape, spec, 0)
+        with faults.injected(Fault.SINK_EVERY_TILE):
+            run = (emulate_ring(x, spec, cp, SinkStrategy.STEP0) if comm == "p2p" else
+                   emulate_hierarchical(x, spec, cp, cp if comm == "a2a" else 2, SinkStrategy.STEP0))
+        ref = reference(x, spec)
+        err = max((run.result.named()[k] - v).abs().max().item() for k, v in ref.named().items())
+        applies = preflight.applies(Fault.SINK_EVERY_TILE, case, cp)
+        assert applies == (err > 1e-6), (mask, window, fmt, cp, comm, err)
+        seen.add((applies, preflight.ring_ranks(case, cp) > 1))
+    assert seen == {(True, True), (False, True), (False, False)}   # hidden by one rank, or by the window
+
+
+@pytest.mark.parametrize("args,message", [
+    (["check", "--comm", "a2a+p2p", "--a2a-size", "2", "--ranks", "2", "--inject", "sink-every-tile"],
+     "--comm a2a+p2p with --ranks >= 2 * --a2a-size"),
+    (["check", "--comm", "a2a", "--ranks", "2", "--inject", "crash"], "ring rank 1 crashes"),
+    (["bench", "--comm", "a2a+p2p", "--ranks", "4", "--a2a-size", "4", "--kv-heads", "4", "--inject", "stall"], "ring rank 1 stalls"),
+    (["check", "--softmax", "learnable", "--window", "0,0", "--inject", "sink-every-tile"], "wider than the diagonal"),
+])
+def test_a_fault_a_one_rank_ring_cannot_show_is_refused(no_launch, args, message):
+    out = _refused(args, message, no_launch)
+    assert f"--inject {args[args.index('--inject') + 1]}: the fault applies to none" in out
 
 
 def _readme_commands(name):

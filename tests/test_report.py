@@ -314,6 +314,29 @@ def test_a_csv_without_times_reports_without_timelines_and_says_so(csvs, tmp_pat
     assert page.rstrip().endswith("</html>") and page.count("<img") == 1  # the summary figure only
 
 
+def test_a_csv_of_iteration_rows_only_reports_its_iterations_and_says_why_there_are_no_steps(csvs, tmp_path):
+    full = pd.read_csv(csvs[0])
+    only = tmp_path / "iterations.csv"
+    full[full["kind"] == "iteration"].to_csv(only, index=False)
+    res = _report(only, csvs[1], "--plot", tmp_path / "plots", "--chrome-trace", tmp_path / "trace.json")
+    assert res.exit_code == 0, res.output
+    notes = [line for line in res.stderr.splitlines() if "iteration rows only" in line]
+    assert notes == [f"sinkprof report: {only} has 1 case with iteration rows only, no per-step rows (kind compute, "
+                     f"kv, dkv or a2a, which sinkprof bench --csv writes for every ring step): its per-step table, "
+                     f"timelines and Chrome trace events are left out, and its exposed communication is unknown; the "
+                     f"rest of the report is written"], res.stderr
+    assert "start_ms" not in res.stderr           # not the note of a CSV without times
+    text = " ".join(res.stdout.split())
+    assert "fwdbwd" in text and "exposed comm unknown" in text      # the iterations' case, not 0.0% exposed
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [f"{SIM_SLUG}-fwd.png", "summary.png"]
+    its = iteration_table(load([only]))
+    assert len(its) == 1 and its["wall_ms"].iloc[0] > 0 and its["exposed_comm_ms"].isna().all()
+    # with its step rows the case has no such note, and the exposed share is known
+    res = _report(csvs[0])
+    assert res.exit_code == 0 and "iteration rows only" not in res.stderr, res.stderr
+    assert iteration_table(load([csvs[0]]))["exposed_comm_ms"].notna().all()
+
+
 def _strict_json(text: str):
     """``json.loads`` that refuses NaN and Infinity (RFC 8259; Perfetto rejects them too)."""
     return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))

@@ -10,11 +10,13 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..emulate import emulate_hierarchical, emulate_ring
-from ..options import KVSchedule, MaskType, QKVFormat, SinkStrategy, SoftmaxType, make_spec, window_pair
+from ..options import (AttnSpec, KVSchedule, MaskType, QKVFormat, SinkStrategy, SoftmaxType, check_a2a_size, make_spec,
+                       window_pair)
 from ..testing import Shape, make_inputs, reference
 from .cases import Settings, check_pack_layer, merge_layers, seqlens_text
 from .errors import EXIT_FAILED, EXIT_OK
 from .output import Output
+from .preflight import sink_counted_again
 
 DEFAULT_SEQ_LEN = 64
 DEFAULT_BATCH = 2
@@ -54,8 +56,7 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
     for fmt, mask in itertools.product(formats, masks):
         fmt = QKVFormat.parse(fmt, "--qkv-format")
         thd = fmt is QKVFormat.THD
-        cu = [0, *itertools.accumulate(docs)] if thd else None
-        spec = make_spec(SoftmaxType.LEARNABLE, mask, window, fmt, cu)
+        spec = replay_spec(fmt, mask, window, docs)
         fmt_shape = dataclasses.replace(shape, b=1) if thd else shape
         for cp in cps:
             fmt_shape.validate(cp)
@@ -75,6 +76,36 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
                                        err["out"], err["dq"], err["dk"], err["dv"], err["d_sink"], ratio.min().item(),
                                        ratio.max().item(), passed, passed != (strategy is SinkStrategy.EVERY_TILE)))
     return rows
+
+
+def replay_spec(fmt: QKVFormat, mask, window, docs: tuple) -> AttnSpec:
+    """The spec a replay runs: a learnable sink, the pack's documents under thd."""
+    cu = [0, *itertools.accumulate(docs)] if fmt is QKVFormat.THD else None
+    return make_spec(SoftmaxType.LEARNABLE, mask, window, fmt, cu)
+
+
+def check_every_tile(strategies, cps, a2a_size: Optional[int], masks, window, formats, s: int, docs: tuple) -> None:
+    """``--strategy every-tile`` replays the bug the run must detect, so each of its rows must be
+    able to fail: refuse a cp, mask or layout whose ring tiles see each row once (a ring of one
+    rank, or a diagonal window), where the sink counted once per tile is still counted once
+    (``preflight.sink_counted_again``, which also says where ``check --inject sink-every-tile`` applies)."""
+    if SinkStrategy.EVERY_TILE not in strategies:
+        return
+    members = a2a_size or 1
+    for fmt, mask, cp in itertools.product(formats, masks, cps):
+        ring = cp // members
+        if sink_counted_again(replay_spec(QKVFormat.parse(fmt, "--qkv-format"), mask, window, docs), s, ring):
+            continue
+        skip = "or leave every-tile out (--strategy step0,post-merge)"
+        if ring == 1:
+            where = (f"--cp {cp} with --comm a2a+p2p --a2a-size {a2a_size} runs a p2p ring of one rank (cp / a2a-size)"
+                     if a2a_size else f"--cp {cp} runs a ring of one rank")
+            fix = f"give every --cp at least {2 * members}{' (2 * --a2a-size)' if a2a_size else ''}, {skip}"
+        else:
+            where = f"--window {window[0]},{window[1]} (--mask {mask}) puts each row's keys in one tile"
+            fix = f"widen --window, {skip}"
+        raise ValueError(f"--strategy every-tile: {where}, so the bug (the sink counted once per tile) cannot change "
+                         f"a result and the replay cannot detect it; {fix}")
 
 
 def pack(formats, cps, *, seq_len: Optional[int], seqlens: Optional[tuple], docs: Optional[int], batch: Optional[int],
@@ -110,12 +141,15 @@ def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: in
     """The command: replay, compare, write the rows; 0 when every row is as expected. ``window``
     is the ``LEFT,RIGHT`` text of ``--window``; ``docs`` the thd pack (``pack``)."""
     pair = None if window is None else window_pair(window, "--window")
-    for n in cps:
-        shape.validate(n)
     if comm not in ("p2p", "a2a+p2p"):
         raise ValueError(f"--comm {comm!r}: emulate replays p2p or a2a+p2p")
-    rows = emulate(cps, masks, strategies, shape, seed, pair, a2a_size if comm == "a2a+p2p" else None, schedules,
-                   formats, docs)
+    members = a2a_size if comm == "a2a+p2p" else None
+    for n in cps:
+        shape.validate(n)
+        if members:
+            check_a2a_size(members, n)
+    check_every_tile(strategies, cps, members, masks, pair, formats, shape.s, docs)
+    rows = emulate(cps, masks, strategies, shape, seed, pair, members, schedules, formats, docs)
     ok = all(r.ok for r in rows)
     sizes = [f"b={shape.b} s={shape.s}"] if set(formats) != {QKVFormat.THD} else []
     sizes += [f"thd t={shape.s} docs={seqlens_text(docs)}"] if docs else []

@@ -15,7 +15,7 @@ from typing import Optional
 
 import pandas as pd
 
-from .report import (CASE_KEYS, COMM_KINDS, TIME_COLUMNS, exposed_spans, flops_unit, iteration_table, label,
+from .report import (CASE_KEYS, COMM_KINDS, STEP_KINDS, TIME_COLUMNS, exposed_spans, flops_unit, iteration_table, label,
                      run_part, slugs)
 
 COMPUTE = "#4C72B0"
@@ -49,7 +49,7 @@ def draw(df: pd.DataFrame) -> Pictures:
     pictures = Pictures(slugs(cases.assign(predicted=cases.get("predicted", False))))
     for case, rows in df.groupby(CASE_KEYS, sort=False):
         # A timeline places spans by their times: rows without them (an older CSV) are not drawn.
-        steps = rows[rows["kind"].isin(("compute",) + COMM_KINDS)].dropna(subset=list(TIME_COLUMNS))
+        steps = rows[rows["kind"].isin(STEP_KINDS)].dropna(subset=list(TIME_COLUMNS))
         for phase in [p for p in ("fwd", "bwd") if (steps["phase"] == p).any()]:
             png = timeline(rows, phase)
             if png is not None:
@@ -83,7 +83,7 @@ def timeline(rows: pd.DataFrame, phase: str) -> Optional[bytes]:
     from matplotlib.patches import Patch
     it, n_its = median_iteration(rows)
     part = rows[(rows["iteration"] == it) & (rows["phase"] == phase)
-                & rows["kind"].isin(("compute",) + COMM_KINDS)].dropna(subset=list(TIME_COLUMNS))
+                & rows["kind"].isin(STEP_KINDS)].dropna(subset=list(TIME_COLUMNS))
     if part.empty:
         return None
     ranks = sorted(part["rank"].unique())

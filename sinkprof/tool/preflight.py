@@ -3,9 +3,9 @@ trip over after minutes, on every rank, with a traceback.
 
 ``Settings.validate`` checks each settings group (values, shapes, backends, with the library's own
 checks); this module checks the run as a whole: the communication backend, whether an injected
-fault applies to any case, and whether the run fits in memory. Every error is a ``ValueError``
-that names the option and the fix (exit 2, ``tool.errors``). Output paths are checked by
-``tool.output.check_writable``.
+fault applies to any case (``emulate`` asks the same of its every-tile rows), and whether the run
+fits in memory. Every error is a ``ValueError`` that names the option and the fix (exit 2,
+``tool.errors``). Output paths are checked by ``tool.output.check_writable``.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 
 from ..faults import RANK_FAILURES, Fault, Injected
 from ..kernels import resolve_backend
-from ..options import DTYPES, Backend, CommType, KVSchedule, SoftmaxType, accum_dtype
-from ..plan import ring_plan
+from ..options import DTYPES, AttnSpec, Backend, CommType, KVSchedule, SoftmaxType, accum_dtype
+from ..plan import ring_plan, rows_in
 from .cases import Case, a2a_members, expand
 
 GIB = 2 ** 30
@@ -45,7 +45,7 @@ def applies(fault: Fault, case: Case, ranks: int) -> bool:
     """Whether ``fault`` changes anything in ``case`` (a fault that cannot, proves nothing)."""
     learnable = case.softmax is SoftmaxType.LEARNABLE
     if fault is Fault.SINK_EVERY_TILE:
-        return case.softmax.has_sink and ranks > 1
+        return case.softmax.has_sink and sink_counted_again(case.spec(), case.shape.s, ring_ranks(case, ranks))
     if fault is Fault.NO_SINK_REDUCE:
         return (learnable or case.bias) and ranks > 1
     if fault is Fault.ALIASED_REFERENCE:
@@ -61,9 +61,23 @@ def applies(fault: Fault, case: Case, ranks: int) -> bool:
                 and bool(schedule.kv_rows(1, 1)))
     if fault is Fault.DOC_LEAK:
         return _doc_leak_shows(case, ranks)
-    if fault in RANK_FAILURES:
-        return ranks > 1
+    if fault in RANK_FAILURES:    # ring rank 1 stops at its first exchange
+        return ring_ranks(case, ranks) > 1
     return True
+
+
+def ring_ranks(case: Case, ranks: int) -> int:
+    """Ranks of the p2p ring that runs ``case``'s plan on ``ranks`` ranks: all of them under p2p,
+    the outer groups under a2a+p2p, one under plain a2a."""
+    return ranks // a2a_members(case.comm, ranks, case.a2a_size)
+
+
+def sink_counted_again(spec: AttnSpec, s: int, ring: int) -> bool:
+    """Whether the every-tile bug can change a result on a ring of ``ring`` ranks: some rank has a
+    row that a second tile sees (the bug counts that row's sink again). Not on a one-rank ring (its
+    one step is one tile per document), nor under a window that sees no key beyond the own chunk."""
+    chunks = spec.chunks(s, ring)
+    return any(rows_in(ring_plan(ring, rank, chunks, spec.band).alone) < 2 * sum(chunks) for rank in range(ring))
 
 
 def _doc_leak_shows(case: Case, ranks: int) -> bool:
@@ -72,8 +86,7 @@ def _doc_leak_shows(case: Case, ranks: int) -> bool:
     nor with a window that sees no key before the diagonal."""
     if len(case.docs) < 2:
         return False
-    members = a2a_members(case.comm, ranks, case.a2a_size)
-    ring = ranks // members     # the ring that runs the plan (one rank under plain a2a)
+    ring = ring_ranks(case, ranks)
     spec = case.spec()
     chunks = spec.chunks(case.shape.s, ring)
     leak = Injected(Fault.DOC_LEAK)
@@ -87,8 +100,12 @@ def _doc_leak_shows(case: Case, ranks: int) -> bool:
     return False
 
 
+# What a p2p ring of two ranks or more takes (plain a2a's ring is one rank).
+RING_OF_TWO = "--comm p2p with --ranks >= 2, or --comm a2a+p2p with --ranks >= 2 * --a2a-size"
+
 WHAT_IT_NEEDS = {
-    Fault.SINK_EVERY_TILE: "a sink (--softmax off-by-one or learnable) and --ranks >= 2",
+    Fault.SINK_EVERY_TILE: (f"a sink (--softmax off-by-one or learnable) and a row that two ring tiles see: a ring of "
+                            f"two ranks or more ({RING_OF_TWO}) and a window wider than the diagonal, or none"),
     Fault.NO_SINK_REDUCE: "a replicated gradient (--softmax learnable or --bias) and --ranks >= 2",
     Fault.ALIASED_REFERENCE: "a learnable offset (--softmax learnable)",
     Fault.VANILLA_FALLBACK: "a sink (--softmax off-by-one or learnable)",
@@ -97,8 +114,8 @@ WHAT_IT_NEEDS = {
                       "a2a+p2p with --kv-schedule direct, at least two ring ranks, a window with left >= 1 or none)"),
     Fault.DOC_LEAK: ("a thd pack of two documents or more (--qkv-format thd with --seqlens or --docs >= 2) whose "
                      "second document's rows can see a key before their own (a window with left >= 1, or none)"),
-    Fault.STALL: "--ranks >= 2 (rank 1 stalls)",
-    Fault.CRASH: "--ranks >= 2 (rank 1 crashes)",
+    Fault.STALL: f"a ring of two ranks or more ({RING_OF_TWO}): ring rank 1 stalls",
+    Fault.CRASH: f"a ring of two ranks or more ({RING_OF_TWO}): ring rank 1 crashes",
 }
 
 
@@ -139,8 +156,10 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
     Host: the full-sequence fp64 inputs and their rounded copy (``make_inputs``). Device (the
     host when the run is on the CPU): the reference's fp64 inputs, results and one score block,
     and the CP run's shard, ring buffers, gradients and, with ``tile_scores`` (the torch tiles,
-    which hold a tile's scores; cuDNN and FA4 never do), a tile's scores. A bias is
-    ``[1, h, S, S]`` on every rank: quadratic in the sequence whatever the algorithm.
+    which hold a tile's scores; cuDNN and FA4 never do), a tile's scores. A thd pack's tiles are
+    its documents' own (``plan.ring_plan``), so its largest tile is its longest document's, not
+    the pack's. A bias is ``[1, h, S, S]`` on every rank: quadratic in the sequence whatever the
+    algorithm.
     """
     sh = case.shape
     elem = DTYPES[case.dtype].itemsize
@@ -153,7 +172,7 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
         block = min(REFERENCE_BLOCK, sh.b * sh.h * sh.s * sh.s * 8)
         device += (full + bias) * 8 * 2 + 4 * block    # fp64 inputs and results, the score block
     local = full // ranks
-    chunk = max(1, sh.s // (2 * ranks))
+    chunk = max(1, max(case.docs, default=sh.s) // (2 * ranks))    # of the longest document
     device += local * (elem * 4 + acc * 2) + (full + bias) * elem + bias * (elem + acc)
     if tile_scores or case.bias:    # bias tiles fall back to the torch tiles
         device += 3 * sh.b * sh.h * (2 * chunk) * chunk * acc     # a tile's scores, probabilities, gradient
@@ -179,7 +198,10 @@ def check_memory(groups: list, ranks: int, device: str, reference: bool, procs: 
             host_need, dev_need = max(host_need, h), max(dev_need, d)
     host_need += RANK_OVERHEAD
     host_free = host_available() if host_free is None else host_free
-    fix = "lower --seq-len, --batch, --heads or --head-dim, drop --bias, or use fewer --ranks on one machine"
+    fix = ("lower --seq-len, --batch, --heads or --head-dim, drop --bias, or use fewer --ranks on one machine"
+           if worst is None or not worst.docs else
+           "shorten the pack or its longest document (--seqlens, or --seq-len with more --docs), lower --heads or "
+           "--head-dim, or use fewer --ranks on one machine")
     if host_need * local > host_free:
         raise ValueError(f"this run needs about {_gib(host_need * local)} of host memory ({_gib(host_need)} per rank "
                          f"x {local} rank(s), largest case {worst.label if worst else '-'}, s={worst.shape.s if worst else '-'}) "

@@ -25,6 +25,7 @@ from .output import STDOUT, Output, atomic_path, write_text
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h", "g", "d", "cp",
              "kv_schedule", "backend", "simulated", "docs"]
 COMM_KINDS = ("kv", "dkv", "a2a")
+STEP_KINDS = ("compute",) + COMM_KINDS    # the rows of one ring step (an iteration row has step -1)
 
 # What a bench CSV must hold, and what report fills in when a CSV of an older (or newer) version
 # lacks it. The one list of both; README's CSV table documents the columns.
@@ -94,9 +95,11 @@ def _read_one(path) -> pd.DataFrame:
 
 def load(paths) -> pd.DataFrame:
     """The rows of every CSV, with the optional columns an older CSV lacks filled in;
-    ``df.attrs["absent"]``: per file (as given) the optional columns it lacked."""
+    ``df.attrs["absent"]``: per file (as given) the optional columns it lacked; ``df.attrs["runs"]``:
+    per file the run ids it holds."""
     frames = [_read_one(p) for p in paths]
     absent = {str(p): [c for c in OPTIONAL_COLUMNS if c not in f.columns] for p, f in zip(paths, frames)}
+    runs = {str(p): set(f["run_id"].fillna("").astype(str)) for p, f in zip(paths, frames)}
     df = pd.concat(frames, ignore_index=True)
     for col, default in OPTIONAL_COLUMNS.items():
         if col not in df.columns:
@@ -111,6 +114,7 @@ def load(paths) -> pd.DataFrame:
     keys = [k for k in CASE_KEYS if k not in TEXT_COLUMNS and k not in BOOL_COLUMNS]
     df[keys] = df[keys].astype(object).where(df[keys].notna(), "")
     df.attrs["absent"] = {path: cols for path, cols in absent.items() if cols}
+    df.attrs["runs"] = runs
     return df
 
 
@@ -120,7 +124,7 @@ TIME_COLUMNS = ("start_ms", "end_ms")
 def untimed_cases(df: pd.DataFrame) -> list:
     """The cases (tuples of CASE_KEYS) whose compute and communication rows carry no start and end
     times (a CSV older than the columns): a timeline or a trace cannot place them."""
-    spans = df[df["kind"].isin(("compute",) + COMM_KINDS)]
+    spans = df[df["kind"].isin(STEP_KINDS)]
     timed = spans[list(TIME_COLUMNS)].notna().all(axis=1)
     per_case = timed.groupby([spans[k] for k in CASE_KEYS], sort=False).any()
     return [case for case, any_timed in per_case.items() if not any_timed]
@@ -140,6 +144,32 @@ def untimed_note(df: pd.DataFrame, left_out: str) -> Optional[str]:
                   f"no {cols} values")
     return f"sinkprof report: {where} (the times of each span): {left_out} left out for {len(cases)} " \
            f"case{'s' if len(cases) > 1 else ''}; the rest of the report is written"
+
+
+def stepless_cases(df: pd.DataFrame) -> list:
+    """The cases (tuples of CASE_KEYS) with iteration rows only, none of a ring step: no per-step
+    table, timeline or trace event can show them, and their exposed communication is unknown."""
+    has_steps = df["kind"].isin(STEP_KINDS).groupby([df[k] for k in CASE_KEYS], sort=False).any()
+    return [case for case, any_step in has_steps.items() if not any_step]
+
+
+def stepless_note(df: pd.DataFrame, left_out: list) -> Optional[str]:
+    """One line for stderr when some cases have iteration rows only: which files hold them and
+    what ``left_out`` of them (besides the per-step tables); None when every case has step rows."""
+    cases = stepless_cases(df)
+    if not cases:
+        return None
+    runs = {case[CASE_KEYS.index("run_id")] for case in cases}
+    files = [path for path, ids in df.attrs.get("runs", {}).items() if ids & runs]
+    one = len(cases) == 1
+    what = ["per-step table" if one else "per-step tables", *left_out]
+    what = " and ".join([", ".join(what[:-1]), what[-1]] if len(what) > 1 else what)
+    its = "its" if one else "their"
+    return (f"sinkprof report: {', '.join(files)} {'has' if len(files) == 1 else 'have'} {len(cases)} "
+            f"case{'' if one else 's'} with iteration rows only, no per-step rows (kind {', '.join(STEP_KINDS[:-1])} "
+            f"or {STEP_KINDS[-1]}, which sinkprof bench --csv writes for every ring step): {its} {what} "
+            f"{'is' if what == 'per-step table' else 'are'} left out, and {its} exposed communication is unknown; "
+            f"the rest of the report is written")
 
 
 def _predicted(rows: pd.DataFrame, keys: list) -> pd.Series:
@@ -218,9 +248,11 @@ def iteration_table(df: pd.DataFrame) -> pd.DataFrame:
         out = out.merge(exposed, on=CASE_KEYS, how="left")
     else:
         out["exposed_comm_ms"] = float("nan")
-    has_comm = df.assign(has_comm=df["kind"].isin(COMM_KINDS)).groupby(CASE_KEYS)["has_comm"].any()
-    out = out.merge(has_comm.reset_index(), on=CASE_KEYS, how="left")
-    out["exposed_comm_ms"] = out["exposed_comm_ms"].where(out["has_comm"], 0.0)  # no communication: 0
+    has = df.assign(has_comm=df["kind"].isin(COMM_KINDS), has_steps=df["kind"].isin(STEP_KINDS)).groupby(
+        CASE_KEYS)[["has_comm", "has_steps"]].any()
+    out = out.merge(has.reset_index(), on=CASE_KEYS, how="left")
+    # no communication: 0; no step rows at all (iteration rows only): unknown
+    out["exposed_comm_ms"] = out["exposed_comm_ms"].where(out["has_comm"], 0.0).where(out["has_steps"])
     out["exposed_pct"] = 100.0 * out["exposed_comm_ms"] / wall
     sent = _sent_mb(df, CASE_KEYS + ["iteration", "rank"]).groupby(level=CASE_KEYS + ["iteration"]).max()
     out = out.merge(sent.groupby(level=CASE_KEYS).median().reset_index(), on=CASE_KEYS, how="left")
@@ -254,7 +286,7 @@ def exposed_time(df: pd.DataFrame) -> pd.Series:
     backward) are both exposed counts once. A row without start and end times (it cannot be
     placed) adds its ``exposed_ms``; NaN (unknown) when such a row has none."""
     keys = CASE_KEYS + ["iteration", "rank"]
-    rows = df[df["kind"].isin(COMM_KINDS + ("compute",))]
+    rows = df[df["kind"].isin(STEP_KINDS)]
     if not rows["kind"].isin(COMM_KINDS).any():
         return pd.Series(dtype=float)
     out = {}
@@ -491,8 +523,8 @@ def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), htm
     written = []
     left_out = [what for what, wanted in (("timelines", plot_dir or html),
                                           ("Chrome trace events", chrome_trace)) if wanted]
-    note = untimed_note(df, " and ".join(left_out)) if left_out else None
-    if note:
+    notes = [untimed_note(df, " and ".join(left_out)) if left_out else None, stepless_note(df, left_out)]
+    for note in filter(None, notes):
         print(note, file=sys.stderr)
     if plot_dir or html:
         from . import figures
