@@ -5,7 +5,7 @@
 #   device run, carry [".whl-a"]:         mkdir -p /tmp/wheels && cp .whl-a/* /tmp/wheels/
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
-# Steps: tests check window scale bench kernels rings final session3 pack (default: tests check window scale bench).
+# Steps: tests check window scale bench kernels rings final session3 final3 pack (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
 # come back, so the step logs are also packed into $OUT/results.tgz).
@@ -78,13 +78,20 @@ if [[ $what == *" final "* ]]; then   # what the fixes after the second session 
       --comm p2p,a2a --softmax all --mask causal --dtype bf16,fp16 --heads 8 --kv-heads 2 --head-dim 64 --format json \
       --output "$OUT/check_thd_fa4.json"
 fi
+if [[ $what == *" final3 "* ]]; then   # <= 540 s: FA4's rows backward and varlen groups, the ring figures, the pack
+  run gpu_tests_fa4 150 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "pack or (ring_schedule and fa4) or fa4_rows"
+  run ring_bench 280 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4,8;gpt-oss:2,4,8" --ring-backends fa4 \
+      --out "$OUT/ring_bench.json"
+  run pack_bench 100 python3 scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 --pack-len 65536 \
+      --pack-docs 2048-16384 --ring-backends fa4 --out "$OUT/pack_bench.json"
+fi
 if [[ $what == *" session3 "* ]]; then   # <= 560 s of limits: the 128k prediction, then thd on fa4 (issue 15's check)
-  # bench --simulate builds the 128k inputs (fp64 on the CPU, 1.2 G draws, ~40 s there) for each of its 4 (layer, cp)
-  # cases, which is what stopped the last attempt at 90 s; inputs_once builds them once (the same CSV). Then ~60 s of
+  # bench --simulate builds the 128k inputs (fp64 on the CPU, 1.2 G draws, ~40 s there) once (it built them for each
+  # of its 4 (layer, cp) cases, which is what stopped the last attempt at 90 s). Then ~60 s of
   # FA4 compiles and ~2 s per iteration for the 4 cases (8 + 16 ranks of the full layer at ~120 ms / ~60 ms each):
   # ~150 s in all. The page of its 15.5k rows took 21 s of CPU here
   pred="$OUT/gptoss120b-128k-pred.csv"
-  run predict_gptoss 220 python3 scripts/inputs_once.py bench --profile gpt-oss-120b --seq-len 131072 --simulate 8,16 \
+  run predict_gptoss 220 $SP bench --profile gpt-oss-120b --seq-len 131072 --simulate 8,16 \
       --link h200-nvlink --warmup 2 --iters 5 --csv "$pred"
   [[ -f $pred ]] || pred="$pred.partial"    # stopped early: report the rows measured
   run report_predict 40 $SP report "$pred" --html "$OUT/gptoss120b-128k-pred.html"
