@@ -112,6 +112,7 @@ def test_doctor_on_the_cpu_says_why_cudnn_and_the_fused_kernels_cannot_run(cli):
     env = doc["environment"]
     assert env["torch"] == torch.__version__ and env["device"] == "cpu"
     assert env["fused sink kernels (triton)"] == "off: SINKPROF_FUSED=0"
+    assert env["fa4 backward across tiles (fa4_rows)"] == "off: flash-attn-4 is not importable"
     cells = doc["capabilities"]
     cudnn = [c for c in cells if c["backend"] == "cudnn"]
     assert cudnn and not any(c["ok"] for c in cudnn)

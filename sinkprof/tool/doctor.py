@@ -65,6 +65,7 @@ def environment() -> dict:
         "cudnn frontend": versions()["frontend"],
         "cudnn backend (frontend)": versions()["backend"],
         "flash-attn-4": fa4_version(),
+        "fa4 backward across tiles (fa4_rows)": _fa4_rows(fa4_version()),
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
         "gloo": dist.is_gloo_available(),
         "nccl available": dist.is_nccl_available(),
@@ -75,6 +76,17 @@ def environment() -> dict:
         "pandas": _version("pandas"),
     }
     return env
+
+
+def _fa4_rows(fa4_version) -> str:
+    """Whether a ring's fa4 backward keeps dq in FA4's accumulator across tiles here, or why not."""
+    if fa4_version is None:
+        return "off: flash-attn-4 is not importable"
+    if not torch.cuda.is_available():
+        return "off: no CUDA device is visible"
+    from ..kernels.fa4_rows import unavailable_reason
+    why = unavailable_reason(fa4_version, torch.device("cuda", torch.cuda.current_device()))
+    return "on" if why is None else f"off: {why}"
 
 
 def _probe_kernel(backend: Backend, softmax: SoftmaxType, dtype: torch.dtype, layout: QKVFormat,
