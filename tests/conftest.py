@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 torch.set_num_threads(1)
 
@@ -21,3 +22,31 @@ def cli():
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A one-rank gloo process group for the module's tests."""
+    path = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def fault_error(fault, settings, cp: int, comm: str):
+    """(the case of ``settings``, the largest error against the reference of the fp64 emulator run
+    of that case under ``fault``): what the preflight's ``applies`` is checked against."""
+    from sinkprof import faults
+    from sinkprof.emulate import emulate_hierarchical, emulate_ring
+    from sinkprof.options import SinkStrategy
+    from sinkprof.testing import make_inputs, reference
+    from sinkprof.tool.cases import expand
+    settings.validate()
+    (case,) = expand(settings)
+    spec = case.spec()
+    x = make_inputs(case.shape, spec, 0)
+    with faults.injected(fault):
+        run = (emulate_ring(x, spec, cp, SinkStrategy.STEP0) if comm == "p2p" else
+               emulate_hierarchical(x, spec, cp, cp if comm == "a2a" else 2, SinkStrategy.STEP0))
+    ref = reference(x, spec)
+    return case, max((run.result.named()[k] - v).abs().max().item() for k, v in ref.named().items())

@@ -4,17 +4,8 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import sinkprof
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _inputs(seed=0):

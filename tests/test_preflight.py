@@ -16,6 +16,8 @@ from sinkprof.faults import Fault
 from sinkprof.tool import launcher, preflight
 from sinkprof.tool.cases import Settings, expand
 
+from conftest import fault_error
+
 runner = CliRunner()
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -209,10 +211,6 @@ def test_every_fault_applies_to_the_case_that_would_show_it():
 def test_sink_every_tile_applies_exactly_where_the_emulator_under_it_fails():
     """The preflight's answer agrees with the emulator run under the fault, case by case: a ring of
     one rank (cp 1, or a2a+p2p with cp = --a2a-size, or plain a2a) or a diagonal window hides it."""
-    from sinkprof import faults
-    from sinkprof.emulate import emulate_hierarchical, emulate_ring
-    from sinkprof.options import SinkStrategy
-    from sinkprof.testing import make_inputs, reference
     seen = set()
     for mask, window, fmt, cp, comm in itertools.product(
             ["causal", "no_mask"], [None, (0, 0), (1, 0), (0, 2)], ["bshd", "thd"], [1, 2, 4], ["p2p", "a2a", "a2a+p2p"]):
@@ -221,15 +219,7 @@ def test_sink_every_tile_applies_exactly_where_the_emulator_under_it_fails():
         s = Settings(softmax=("learnable",), mask=(mask,), window=window, qkv_format=(fmt,), comm=(comm,), ranks=cp,
                      seq_len=32, seqlens=(8, 16, 8) if fmt == "thd" else None, heads=4, kv_heads=4, head_dim=8,
                      dtype=("fp64",))
-        s.validate()
-        (case,) = expand(s)
-        spec = case.spec()
-        x = make_inputs(case.shape, spec, 0)
-        with faults.injected(Fault.SINK_EVERY_TILE):
-            run = (emulate_ring(x, spec, cp, SinkStrategy.STEP0) if comm == "p2p" else
-                   emulate_hierarchical(x, spec, cp, cp if comm == "a2a" else 2, SinkStrategy.STEP0))
-        ref = reference(x, spec)
-        err = max((run.result.named()[k] - v).abs().max().item() for k, v in ref.named().items())
+        case, err = fault_error(Fault.SINK_EVERY_TILE, s, cp, comm)
         applies = preflight.applies(Fault.SINK_EVERY_TILE, case, cp)
         assert applies == (err > 1e-6), (mask, window, fmt, cp, comm, err)
         seen.add((applies, preflight.ring_ranks(case, cp) > 1))

@@ -7,7 +7,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import sinkprof
 from sinkprof import faults
@@ -250,14 +249,6 @@ def test_the_doc_leak_fault_breaks_the_replay(window):
     assert (got.out - ref.out).abs().max() > 1e-3
     clean = emulate_ring(x, spec, 2, SinkStrategy.STEP0, kv_schedule="direct").result
     assert (clean.out - ref.out).abs().max() < 1e-12
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])

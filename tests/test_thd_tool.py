@@ -19,6 +19,8 @@ from sinkprof.tool.cases import CaseOptions, Settings, expand, random_documents
 from sinkprof.tool.profiles import settings_for
 from sinkprof.tool.report import iteration_table, load
 
+from conftest import fault_error
+
 runner = CliRunner()
 
 
@@ -143,10 +145,6 @@ def test_batch_one_and_mixed_formats_are_accepted(no_launch):
 
 def test_doc_leak_applies_exactly_where_the_leaked_keys_are_visible():
     """The preflight's answer agrees with the emulator run under the fault, case by case."""
-    from sinkprof import faults
-    from sinkprof.emulate import emulate_hierarchical, emulate_ring
-    from sinkprof.options import SinkStrategy
-    from sinkprof.testing import make_inputs, reference
     seen = set()
     for mask, window, docs, cp, comm in itertools.product(
             ["causal", "no_mask"], [None, (0, 0), (2, 0), (0, 3)], [(8, 40, 16), (64,), (8, 8, 16, 32)],
@@ -155,15 +153,7 @@ def test_doc_leak_applies_exactly_where_the_leaked_keys_are_visible():
             continue
         s = Settings(softmax=("learnable",), mask=(mask,), window=window, qkv_format=("thd",), seqlens=docs,
                      comm=(comm,), ranks=cp, heads=4, kv_heads=4, head_dim=8, dtype=("fp64",))
-        s.validate()
-        (case,) = expand(s)
-        spec = case.spec()
-        x = make_inputs(case.shape, spec, 0)
-        with faults.injected(Fault.DOC_LEAK):
-            run = (emulate_ring(x, spec, cp, SinkStrategy.STEP0) if comm == "p2p" else
-                   emulate_hierarchical(x, spec, cp, cp if comm == "a2a" else 2, SinkStrategy.STEP0))
-        ref = reference(x, spec)
-        err = max((run.result.named()[k] - v).abs().max().item() for k, v in ref.named().items())
+        case, err = fault_error(Fault.DOC_LEAK, s, cp, comm)
         applies = preflight.applies(Fault.DOC_LEAK, case, cp)
         assert applies == (err > 1e-6), (mask, window, docs, cp, comm, err)
         seen.add(applies)
