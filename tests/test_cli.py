@@ -84,6 +84,13 @@ def test_emulate_refuses_every_tile_where_it_cannot_change_a_result(args, messag
     assert "Traceback" not in res.output
 
 
+def test_emulate_names_a2a_size_and_cp_when_the_groups_do_not_tile_the_ring():
+    res = runner.invoke(app, ["emulate", "--comm", "a2a+p2p", "--a2a-size", "4", "--cp", "8,2"])
+    assert res.exit_code == 2, res.output
+    assert ("--a2a-size 4 must divide every --cp, and --cp 2 is not a multiple of it; give --cp multiples of 4 or a "
+            "smaller --a2a-size") in " ".join(res.output.split()), res.output
+
+
 def test_emulate_a2a_p2p_without_every_tile_at_cp_equal_to_a2a_size_and_with_it_on_a_ring_of_two():
     res = runner.invoke(app, ["emulate", "--comm", "a2a+p2p", "--a2a-size", "2", "--cp", "2", "--strategy",
                               "step0,post-merge", "--format", "json"])

@@ -147,7 +147,11 @@ def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: in
     for n in cps:
         shape.validate(n)
         if members:
-            check_a2a_size(members, n)
+            try:
+                check_a2a_size(members, n)
+            except ValueError:
+                raise ValueError(f"--a2a-size {members} must divide every --cp, and --cp {n} is not a multiple of it; "
+                                 f"give --cp multiples of {members} or a smaller --a2a-size") from None
     check_every_tile(strategies, cps, members, masks, pair, formats, shape.s, docs)
     rows = emulate(cps, masks, strategies, shape, seed, pair, members, schedules, formats, docs)
     ok = all(r.ok for r in rows)
