@@ -169,13 +169,13 @@ def test_a_packs_tile_memory_is_its_longest_documents_so_a_pack_of_short_ones_fi
         return Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp64",), qkv_format=("thd",),
                         seqlens=seqlens, seq_len=sum(seqlens), ranks=2)
 
-    short = pack((4096,) * 16)                    # 64k tokens in 16 documents: 2k x 1k tiles
+    short = pack((4096,) * 16)                    # 64k tokens in 16 documents: 2k x 2k tiles at most
     mixed = pack((4096,) * 8 + (2048,) * 16)      # the same pack, the same longest document
-    long = pack((2 ** 16,))                       # 64k tokens in one document: 32k x 16k tiles
+    long = pack((2 ** 16,))                       # 64k tokens in one document: 32k x 32k at step 0
     need = {name: preflight.case_need(expand(s)[0], 2, False) for name, s in
             (("short", short), ("mixed", mixed), ("long", long))}
     assert need["short"] == need["mixed"]
-    assert need["long"][1] - need["short"][1] == 3 * 4 * (2 * 16384 * 16384 - 2 * 1024 * 1024) * 8
+    assert need["long"][1] - need["short"][1] == 3 * 4 * ((2 * 16384) ** 2 - (2 * 1024) ** 2) * 8
     preflight.check_memory([short], 2, "cpu", False, host_free=8 * 2 ** 30)
     with pytest.raises(ValueError, match=r"needs about .* GiB of host memory .*docs=65536.* and 8.0 GiB is available; "
                                          r"shorten the pack or its longest document \(--seqlens"):
@@ -260,3 +260,15 @@ def test_every_readme_check_and_bench_line_is_valid_as_written(no_launch, monkey
             continue
         assert res.exit_code == 0, (args, res.output)
     assert seen >= 8 and no_launch
+
+
+def test_the_largest_torch_tile_is_step_0s_on_the_outer_ring_with_the_heads_left_after_the_a2a():
+    def need(comm, a2a_size=2, scores=True):
+        s = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp64",), comm=(comm,), seq_len=4096, heads=4,
+                     kv_heads=4, ranks=4, a2a_size=a2a_size, batch=1)
+        return preflight.case_need(expand(s)[0], 4, False, tile_scores=scores)[1]
+
+    tile = {comm: need(comm) - need(comm, scores=False) for comm in ("p2p", "a2a", "a2a+p2p")}
+    assert tile["p2p"] == 3 * 4 * (2 * 512) ** 2 * 8        # a ring of 4: c = 512, all 4 heads
+    assert tile["a2a"] == 3 * 1 * 4096 ** 2 * 8             # a ring of one rank on the whole sequence, 1 head
+    assert tile["a2a+p2p"] == 3 * 2 * (2 * 1024) ** 2 * 8   # a ring of 2 (c = 1024), 2 heads

@@ -172,10 +172,13 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
         block = min(REFERENCE_BLOCK, sh.b * sh.h * sh.s * sh.s * 8)
         device += (full + bias) * 8 * 2 + 4 * block    # fp64 inputs and results, the score block
     local = full // ranks
-    chunk = max(1, max(case.docs, default=sh.s) // (2 * ranks))    # of the longest document
     device += local * (elem * 4 + acc * 2) + (full + bias) * elem + bias * (elem + acc)
     if tile_scores or case.bias:    # bias tiles fall back to the torch tiles
-        device += 3 * sh.b * sh.h * (2 * chunk) * chunk * acc     # a tile's scores, probabilities, gradient
+        # the largest tile: step 0's 2c x 2c of the outer ring (every tile under no_mask), on the
+        # heads a rank keeps after the inner a2a; a2a alone is a ring of one rank (c = s / 2)
+        members = a2a_members(case.comm, ranks, case.a2a_size)
+        chunk = max(1, max(case.docs, default=sh.s) // (2 * max(1, ranks // members)))   # of the longest document
+        device += 3 * sh.b * max(1, sh.h // members) * (2 * chunk) ** 2 * acc   # its scores, probabilities, gradient
     return host, device
 
 
