@@ -5,7 +5,8 @@
 #   device run, carry [".whl-a"]:         mkdir -p /tmp/wheels && cp .whl-a/* /tmp/wheels/
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
-# Steps: tests check window scale bench kernels rings final session3 final3 pack (default: tests check window scale bench).
+# Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
+# (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
 # come back, so the step logs are also packed into $OUT/results.tgz).
@@ -112,3 +113,14 @@ if [[ $what == *" pack "* ]]; then   # issue 15's speed target: a 64k pack of 2k
   run pack_bench 150 python3 scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 --pack-len 65536 \
       --pack-docs 2048-16384 --ring-backends fa4 --out "$OUT/pack_bench.json"
 fi
+if [[ $what == *" packprof "* ]]; then   # where the pack ring's time goes: the kernels of one warm ring of rank cp-1
+  run pack_profile 150 python3 scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 --pack-len 65536 \
+      --pack-docs 2048-16384 --ring-backends fa4 --profile-step --out "$OUT/pack_profile.json"
+fi
+for dtype in bf16 fp16; do   # issue 11's check at 4 ranks, one dtype per device call (72 cases, ~4 s each)
+  if [[ $what == *" matrix_$dtype "* ]]; then
+    run check_fa4_cp4_$dtype 540 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a,a2a+p2p --softmax all \
+        --mask all --dtype $dtype --sink-strategy all --sink-grad all --batch 2 --seq-len 2048 --heads 8 --kv-heads 4 \
+        --head-dim 64 --format json --output "$OUT/check_fa4_cp4_$dtype.json"
+  fi
+done
