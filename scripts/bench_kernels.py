@@ -52,7 +52,7 @@ from sinkprof.options import Band, CPOptions, KVSchedule, SinkStrategy, make_spe
 from sinkprof.plan import shard  # noqa: E402
 from sinkprof.ring import BackwardState, ForwardState, LocalDKV, LocalKV, run_backward, run_forward  # noqa: E402
 from sinkprof.schedule import CommSchedule  # noqa: E402
-from sinkprof.sink import fold_, sink_grad  # noqa: E402
+from sinkprof.sink import merge_parts_, sink_grad  # noqa: E402
 
 BWD_FLOPS = 2.5     # a backward counted as 2.5 forwards
 
@@ -158,7 +158,7 @@ def tile_bench(b, h, g, s, d, band: Band, label: str) -> dict:
 
         def post_merge_fwd(kernel=kernel):  # one tile standing alone: the fold is a pass of its own
             o, lse = kernel.forward(qh, kh, vh, band, None, None, scale)
-            fold_(o, o, lse, sink)
+            merge_parts_(o, lse, o.unsqueeze(0)[:0], lse.unsqueeze(0)[:0], sink=sink)   # no parts: the fold alone
 
         def post_merge_bwd(kernel=kernel, o_s=o_s, lse_s=lse_s):
             kernel.backward(qh, kh, vh, o_s, doh, lse_s, band, None, None, scale)
@@ -205,14 +205,13 @@ def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, 
     b, h = qh.shape[:2]
     opts = CPOptions(make_spec(softmax, mask, None, "bshd"), d ** -0.5, kernel, strategy)
     a = sink if softmax == "learnable" else None
-    # accumulators laid out as the ring lays them out (the user's bshd storage, seen as bhsd)
-    o_acc = torch.empty_like(qh, dtype=torch.float32) if plan.accumulates else None
+    # buffers laid out as the ring lays them out (the user's bshd storage, seen as bhsd)
     lse = torch.empty(b, h, qh.shape[2], dtype=torch.float32, device=qh.device)
     out = torch.empty_like(qh)
     dq = torch.empty_like(qh, dtype=torch.float32)
     dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
     dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
-    fwd_state = ForwardState(qh, o_acc, lse, out)
+    fwd_state = ForwardState.make(plan, qh, out, lse)
     bwd_state = BackwardState(qh, out, dol, lse, dq)
 
     def fwd():

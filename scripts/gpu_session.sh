@@ -6,6 +6,7 @@
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
+# session4 rings4
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -124,3 +125,13 @@ for dtype in bf16 fp16; do   # issue 11's check at 4 ranks, one dtype per device
         --head-dim 64 --format json --output "$OUT/check_fa4_cp4_$dtype.json"
   fi
 done
+if [[ $what == *" session4 "* ]]; then   # <= 440 s: the one-pass merge of later results on the GPU, then the pack
+  run gpu_tests_merge 300 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py \
+      -k "fused or ring_schedule or cuda_graph or pack"
+  run pack_bench 130 python3 scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 --pack-len 65536 \
+      --pack-docs 2048-16384 --ring-backends fa4 --profile-step --out "$OUT/pack_bench.json"
+fi
+if [[ $what == *" rings4 "* ]]; then   # issue 11's table: the slowest rank's ring against FA4 monolithic, cp 2 / 4 / 8
+  run ring_bench 320 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4,8;gpt-oss:2,4,8" \
+      --ring-backends fa4 --out "$OUT/ring_bench.json"
+fi

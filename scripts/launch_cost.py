@@ -43,24 +43,24 @@ def main() -> None:
     g = next(iter(kernel._graphs.values()))
     o, stats = torch.empty_like(q), torch.empty(1, 32, 1024, 1, device="cuda")
     pack = {g.tensors[n]: t for n, t in dict(q=q, k=q, v=q, o=o, stats=stats).items()}
-    o_acc, lse_acc, lse = torch.zeros(q.shape, device="cuda"), torch.zeros(1, 32, 1024, device="cuda"), \
-        torch.zeros(1, 32, 1024, device="cuda")
+    o_acc, lse_acc = torch.zeros(q.shape, device="cuda"), torch.zeros(1, 32, 1024, device="cuda")
+    parts_o, parts_lse = q.unsqueeze(0), torch.zeros(1, 1, 32, 1024, device="cuda")
 
     def torch_merge():
         saved, fused._DISABLED = fused._DISABLED, "measuring the torch form"
         try:
-            sink.merge_(o_acc, lse_acc, q, lse)
+            sink.merge_parts_(o_acc, lse_acc, parts_o, parts_lse)
         finally:
             fused._DISABLED = saved
     rows = {
         "tiny torch kernel (x.add_(1))": host_us(lambda: tiny.add_(1), CALLS),
         "cuDNN tile forward, cached graph (CudnnTiles.forward)": host_us(lambda: kernel.forward(q, q, q, Band(), None, None, 0.1), CALLS),
         "cuDNN frontend execute alone": host_us(lambda: g.graph.execute(pack, g.workspace, handle=kernel.handle), CALLS),
-        "torch merge (sink.merge_ without fused kernels)": host_us(torch_merge, CALLS),
+        "torch merge (sink.merge_parts_ without fused kernels)": host_us(torch_merge, CALLS),
         "CUDA graph replay of 20 tiny kernels": host_us(graph.replay, CALLS),
     }
     if fused.disabled_reason() is None:
-        rows["fused Triton merge (sink.merge_)"] = host_us(lambda: sink.merge_(o_acc, lse_acc, q, lse), CALLS)
+        rows["fused Triton merge (sink.merge_parts_)"] = host_us(lambda: sink.merge_parts_(o_acc, lse_acc, parts_o, parts_lse), CALLS)
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, fused kernels: "
           f"{fused.disabled_reason() or 'on'}")
     for name, us in rows.items():

@@ -64,12 +64,10 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
     outs, lses = [], []
     for r in ranks:
         # NaN-filled: a row the plan forgets to write (or reads before writing) shows in the result
-        o_acc = torch.full(qs[r].shape, float("nan"), dtype=acc, device=dev) if plans[r].accumulates else None
         lse = torch.full((qs[r].shape[1 - sd], h, qs[r].shape[sd]), float("nan"), dtype=acc, device=dev)
         out = torch.full_like(qs[r], float("nan"))
         run_forward(plans[r], LocalKV(bhsd(ks), bhsd(vs), schedule, r, "fwd"),
-                    state=ForwardState(fmt.to_bhsd(qs[r]), None if o_acc is None else fmt.to_bhsd(o_acc), lse,
-                                       fmt.to_bhsd(out)),
+                    state=ForwardState.make(plans[r], fmt.to_bhsd(qs[r]), fmt.to_bhsd(out), lse, fill=float("nan")),
                     sink=sink, bias=biases[r], opts=opts)
         outs.append(out)
         lses.append(lse)

@@ -1,9 +1,10 @@
 """Fused CUDA kernels (Triton) for the passes of ``sink.py`` that touch every element of o.
 
-Why: in eager torch a merge is seven launches and the multiply by a per-row weight broadcast over
+Why: in eager torch a merge is many launches and the multiply by a per-row weight broadcast over
 ``d`` does not vectorise; on the H200 that made the post-merge fold cost 5% of a ring's forward
 and the merges a large share of every step's host time. Each kernel here is one launch and one
-pass. ``sink.py`` keeps the formulas and the torch versions (CPU, fp64, the reference for the
+pass: the merge of a ring's later results (``merge_parts_``) reads each of them once, so merging n
+parts in one pass moves ~2(n+1) bytes per element of o where n merges of two would move ~10n. ``sink.py`` keeps the formulas and the torch versions (CPU, fp64, the reference for the
 tests), and calls these only where ``usable`` says so: CUDA tensors, fp32 accumulation,
 ``d <= 256`` contiguous, Triton importable, and ``SINKPROF_FUSED`` not set to ``0``. This module
 is imported on the first CUDA tensor only, so CPU runs never import Triton.
@@ -73,28 +74,35 @@ if triton is not None:
         return (bh // H) * sb + (bh % H) * sh + s * ss
 
     @triton.jit
-    def _merge_kernel(dst_ptr, oa_ptr, la_ptr, o_ptr, l_ptr, a_ptr, R, H, S, D,
-                      dst_sb, dst_sh, dst_ss, oa_sb, oa_sh, oa_ss, la_sb, la_sh, la_ss, o_sb, o_sh, o_ss,
-                      l_sb, l_sh, l_ss, HAS_SINK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _merge_parts_kernel(dst_ptr, o_ptr, l_ptr, po_ptr, pl_ptr, a_ptr, R, H, S, D,
+                            dst_sb, dst_sh, dst_ss, o_sb, o_sh, o_ss, l_sb, l_sh, l_ss,
+                            po_sn, po_sb, po_sh, po_ss, pl_sn, pl_sb, pl_sh, pl_ss, N: tl.constexpr,
+                            HAS_SINK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         live = rows < R
         cols = tl.arange(0, BLOCK_D)
         tile = live[:, None] & (cols < D)[None, :]
-        la = la_ptr + _row_offsets(rows, H, S, la_sb, la_sh, la_ss)
-        l_acc = tl.load(la, mask=live, other=0.0)
-        l_new = tl.load(l_ptr + _row_offsets(rows, H, S, l_sb, l_sh, l_ss), mask=live, other=0.0).to(tl.float32)
-        diff = l_new - l_acc
-        diff = tl.where(diff != diff, float("-inf"), diff)          # both rows empty: keep the accumulator
-        w = 1.0 / (1.0 + tl.exp(-diff))                             # sigmoid: 0 at -inf, 1 at +inf
-        top = tl.maximum(l_acc, l_new)
-        gap = tl.where(top == float("-inf"), 0.0, -tl.abs(l_acc - l_new))
-        lse = top + tl.log(1.0 + tl.exp(gap))                        # logaddexp, -inf when both are
-        acc = tl.load(oa_ptr + _row_offsets(rows, H, S, oa_sb, oa_sh, oa_ss)[:, None] + cols[None, :],
+        la = l_ptr + _row_offsets(rows, H, S, l_sb, l_sh, l_ss)
+        pl = pl_ptr + _row_offsets(rows, H, S, pl_sb, pl_sh, pl_ss)
+        po = po_ptr + _row_offsets(rows, H, S, po_sb, po_sh, po_ss)[:, None] + cols[None, :]
+        l_o = tl.load(la, mask=live, other=float("-inf"))
+        top = l_o
+        for n in tl.static_range(N):
+            top = tl.maximum(top, tl.load(pl + n * pl_sn, mask=live, other=float("-inf")))
+        ref = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(l_o - ref)                                        # 0 where the rows' result so far is empty
+        acc = tl.load(o_ptr + _row_offsets(rows, H, S, o_sb, o_sh, o_ss)[:, None] + cols[None, :],
                       mask=tile, other=0.0).to(tl.float32)
-        new = tl.load(o_ptr + _row_offsets(rows, H, S, o_sb, o_sh, o_ss)[:, None] + cols[None, :],
-                      mask=tile, other=0.0).to(tl.float32)
-        w2 = w[:, None]
-        merged = tl.where(w2 < 0.5, acc + w2 * (new - acc), new - (new - acc) * (1.0 - w2))  # torch.lerp's form
+        merged = w[:, None] * acc
+        total = w
+        for n in tl.static_range(N):
+            w_n = tl.exp(tl.load(pl + n * pl_sn, mask=live, other=float("-inf")) - ref)
+            part = tl.load(po + n * po_sn, mask=tile & (w_n > 0.0)[:, None], other=0.0).to(tl.float32)
+            merged += w_n[:, None] * part                            # rows a part does not cover: never read
+            total += w_n
+        seen = total > 0.0
+        merged = tl.where(seen[:, None], merged / tl.where(seen, total, 1.0)[:, None], acc)
+        lse = tl.where(seen, ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
         if HAS_SINK:                                                # fold: o * sigmoid(lse - a), lse' = logaddexp(lse, a)
             a = tl.load(a_ptr + (rows // S) % H, mask=live, other=0.0)
             merged = merged * (1.0 / (1.0 + tl.exp(a - lse)))[:, None]
@@ -102,27 +110,6 @@ if triton is not None:
         tl.store(la, lse, mask=live)
         dst = dst_ptr + _row_offsets(rows, H, S, dst_sb, dst_sh, dst_ss)[:, None] + cols[None, :]
         tl.store(dst, merged.to(dst_ptr.dtype.element_ty), mask=tile)
-
-    @triton.jit
-    def _fold_kernel(out_ptr, oa_ptr, la_ptr, a_ptr, R, H, S, D,
-                     out_sb, out_sh, out_ss, oa_sb, oa_sh, oa_ss, la_sb, la_sh, la_ss,
-                     HAS_SINK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        live = rows < R
-        cols = tl.arange(0, BLOCK_D)
-        tile = live[:, None] & (cols < D)[None, :]
-        acc = tl.load(oa_ptr + _row_offsets(rows, H, S, oa_sb, oa_sh, oa_ss)[:, None] + cols[None, :],
-                      mask=tile, other=0.0).to(tl.float32)
-        if HAS_SINK:
-            la = la_ptr + _row_offsets(rows, H, S, la_sb, la_sh, la_ss)
-            lse = tl.load(la, mask=live, other=0.0)
-            a = tl.load(a_ptr + (rows // S) % H, mask=live, other=0.0)
-            w = 1.0 / (1.0 + tl.exp(a - lse))                       # sigmoid(lse - a); 0 for an empty row
-            top = tl.maximum(lse, a)
-            tl.store(la, top + tl.log(1.0 + tl.exp(-tl.abs(lse - a))), mask=live)   # logaddexp(lse, a)
-            acc = acc * w[:, None]
-        out = out_ptr + _row_offsets(rows, H, S, out_sb, out_sh, out_ss)[:, None] + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile)
 
     @triton.jit
     def _sink_grad_kernel(g_ptr, o_ptr, do_ptr, l_ptr, a_ptr, R, H, S, D, o_sb, o_sh, o_ss,
@@ -140,29 +127,19 @@ if triton is not None:
         tl.store(g_ptr + rows, -tl.exp(a - lse) * tl.sum(o * do, axis=1), mask=live)
 
 
-def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *,
-           into: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None) -> None:
-    """``sink.merge_`` in one pass (the fold included when ``sink`` is given)."""
-    b, h, s, d = o_acc.shape
-    dst = o_acc if into is None else into
-    a = lse_acc if sink is None else sink.reshape(-1).to(torch.float32).contiguous()
+def merge_parts_(o: torch.Tensor, lse: torch.Tensor, parts_o: torch.Tensor, parts_lse: torch.Tensor, *,
+                 into: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None) -> None:
+    """``sink.merge_parts_`` in one pass (the fold included when ``sink`` is given)."""
+    b, h, s, d = o.shape
+    dst = o if into is None else into
+    n = parts_o.shape[0]
+    po, pl = (parts_o, parts_lse) if n else (o.unsqueeze(0), lse.unsqueeze(0))   # no parts: never read
+    a = lse if sink is None else sink.reshape(-1).to(torch.float32).contiguous()
     block = _block_rows(d)
-    _merge_kernel[_grid(b * h * s, block)](dst, o_acc, lse_acc, o, lse, a, b * h * s, h, s, d, *_rows(dst),
-                                           *_rows(o_acc), *_rows(lse_acc), *_rows(o), *_rows(lse),
-                                           HAS_SINK=sink is not None, BLOCK_R=block,
-                                           BLOCK_D=triton.next_power_of_2(d), num_warps=NUM_WARPS)
-
-
-def fold_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: Optional[torch.Tensor]) -> None:
-    """``sink.fold_`` in one pass: ``out = o * sigmoid(lse - a)`` and ``lse = lse'`` with a
-    sink, ``out = o`` (cast to out's dtype) without."""
-    b, h, s, d = o_acc.shape
-    a = lse_acc if sink is None else sink.reshape(-1).to(torch.float32).contiguous()
-    block = _block_rows(d)
-    _fold_kernel[_grid(b * h * s, block)](out, o_acc, lse_acc, a, b * h * s, h, s, d, *_rows(out),
-                                          *_rows(o_acc), *_rows(lse_acc), HAS_SINK=sink is not None,
-                                          BLOCK_R=block, BLOCK_D=triton.next_power_of_2(d),
-                                          num_warps=NUM_WARPS)
+    _merge_parts_kernel[_grid(b * h * s, block)](dst, o, lse, po, pl, a, b * h * s, h, s, d, *_rows(dst), *_rows(o),
+                                                 *_rows(lse), po.stride(0), *_rows(po[0]), pl.stride(0), *_rows(pl[0]),
+                                                 N=n, HAS_SINK=sink is not None, BLOCK_R=block,
+                                                 BLOCK_D=triton.next_power_of_2(d), num_warps=NUM_WARPS)
 
 
 def sink_grad_rows(o: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,12 @@ index that buffer). Under the ``ring`` schedule every step holds its owner's who
 ``direct`` a step after step 0 holds exactly the rows it reads, packed, and its tiles are
 remapped into them (docs/design.md, section 5: the communication schedule).
 
-The plan also says how each tile's result joins its rows (``Tile.merges``), so the forward makes
-as few passes over ``o`` as the rows allow: the first tile of a row (step 0's) writes straight into
-the output buffer, the second merges from there into the fp32 accumulator, and the last writes
-the merged result (the sink folded in, under post-merge) straight into the output; a row seen by
-two tiles only is never copied into the accumulator at all.
+The plan also says where each tile's result goes (``Tile.part``) and when the results are merged
+(``Step.merges``), so the forward makes as few passes over ``o`` as it can: the first tile of a row
+(step 0's) writes straight into the output buffer and the statistics; every later tile writes its
+own rows of one of ``RankPlan.parts`` buffers (the tiles of one buffer see disjoint rows); after
+the last step (or, with more later tiles than ``PARTS`` buffers hold, every time they fill up) one
+pass merges the buffers into the rows' result, folding the sink in under post-merge.
 """
 from __future__ import annotations
 
@@ -38,13 +39,7 @@ import torch
 from .options import AttnSpec, Band, KVSchedule, doc_lengths
 
 
-@dataclass(frozen=True)
-class RowMerge:
-    """How a later tile's partial result joins some of its rows (a chunk, or both)."""
-
-    rows: slice       # rows of the local shard
-    second: bool      # the rows' merged result so far is the first tile's, still in the output buffer
-    last: bool        # no later tile sees these rows: the merge writes the output (and folds the sink)
+PARTS = 8   # later tiles' results waiting for their merge at most: the forward's memory is PARTS x the rank's o
 
 
 @dataclass(frozen=True)
@@ -53,7 +48,7 @@ class Tile:
     kv_rows: slice    # rows of the K/V buffer held at this step (``Step.held``), the keys its band can see
     band: Band        # visibility in the tile's own coordinates
     sink: bool        # the first tile of its rows: carries their sink (step 0, each local row exactly once)
-    merges: tuple[RowMerge, ...] = ()   # how a later tile joins its rows (empty for the first tiles)
+    part: int = -1    # the buffer of later results this tile writes its rows into; -1: a first tile (the output)
 
 
 @dataclass(frozen=True)
@@ -63,6 +58,7 @@ class Step:
     tiles: tuple[Tile, ...]
     reads: tuple[slice, ...] = ()   # rows of the owner's shard the tiles read (sorted, disjoint)
     held: tuple[slice, ...] = ()    # rows of the owner's shard in this step's K/V buffer, in buffer order
+    merges: int = 0                 # once this step's tiles are in: merge buffers 0..merges-1 into the rows' result
 
     @property
     def held_rows(self) -> int:
@@ -103,12 +99,16 @@ class RankPlan:
     rank: int
     chunks: tuple[int, ...]    # rows per chunk of each document; the local shard has 2 * sum(chunks) rows
     steps: tuple[Step, ...]
-    alone: tuple[slice, ...] = ()   # rows that only their first tile sees: the output is that tile's
+
+    @property
+    def parts(self) -> int:
+        """How many buffers of later tiles' results the forward needs at once."""
+        return max((t.part + 1 for step in self.steps for t in step.tiles), default=0)
 
     @property
     def accumulates(self) -> bool:
-        """Some rows see three tiles or more: their middle merges need the fp32 accumulator."""
-        return any(not m.last for step in self.steps for tile in step.tiles for m in tile.merges)
+        """The later results are merged more than once: the merges between need an fp32 accumulator."""
+        return any(step.merges for step in self.steps[:-1])
 
     @property
     def backward_steps(self) -> tuple[Step, ...]:
@@ -326,8 +326,7 @@ def ring_plan(cp: int, rank: int, chunk, band: Band, kv_schedule=KVSchedule.RING
         steps.append(_packed(step) if kv_schedule is KVSchedule.DIRECT and i > 0 else step)
     if sink_rows != {0, 1}:  # the diagonal is always visible, so step 0 covers every local row
         raise AssertionError(f"step 0 of rank {rank} does not cover every local row: {sink_rows}")
-    steps, alone = _with_merges(steps, chunk)
-    return RankPlan(cp, rank, chunks, steps, alone)
+    return RankPlan(cp, rank, chunks, _with_parts(steps))
 
 
 def _shift(rows: slice, offset: int) -> slice:
@@ -345,14 +344,11 @@ def _pack_plan(cp: int, rank: int, chunks: tuple[int, ...], band: Band, kv_sched
         for plan, at in zip(docs, offsets):
             step = plan.steps[i]
             reads += [_shift(part, at) for part in step.reads]
-            tiles += [dataclasses.replace(t, q_rows=_shift(t.q_rows, at), kv_rows=_shift(t.kv_rows, at),
-                                          merges=tuple(dataclasses.replace(m, rows=_shift(m.rows, at))
-                                                       for m in t.merges))
+            tiles += [dataclasses.replace(t, q_rows=_shift(t.q_rows, at), kv_rows=_shift(t.kv_rows, at))
                       for t in step.tiles]
         step = Step(i, (rank - i) % cp, tuple(tiles), _union(reads), (slice(0, offsets[-1]),))
         steps.append(_packed(step) if kv_schedule is KVSchedule.DIRECT and i > 0 else step)
-    alone = _union(_shift(part, at) for plan, at in zip(docs, offsets) for part in plan.alone)
-    return RankPlan(cp, rank, chunks, tuple(steps), alone)
+    return RankPlan(cp, rank, chunks, _with_parts(steps))
 
 
 def _packed(step: Step) -> Step:
@@ -370,31 +366,40 @@ def _packed(step: Step) -> Step:
     return dataclasses.replace(step, tiles=tuple(tiles), held=step.reads)
 
 
-def _with_merges(steps: list[Step], c: int) -> tuple[tuple[Step, ...], tuple[slice, ...]]:
-    """Each later tile's ``RowMerge``s, from the order in which tiles visit each local chunk; and
-    the chunks only their first tile visits."""
-    visits: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
+def _overlaps(rows: list[slice], taken: list[slice]) -> bool:
+    return any(r.start < t.stop and t.start < r.stop for r in rows for t in taken)
+
+
+def _with_parts(steps: list[Step], parts: int = PARTS) -> tuple[Step, ...]:
+    """Each later tile's buffer (``Tile.part``) and each step's merges (``Step.merges``).
+
+    A step's later tiles fill new buffers, a group of tiles (``Step.groups``, one kernel call) one
+    buffer, and a group goes into the step's first new buffer whose rows it does not touch. When a
+    step would need more buffers than are left, the buffers filled so far are merged after the
+    step before it; after the last step every filled buffer is merged."""
+    out: list[Step] = []
+    used = 0   # buffers filled since the last merge
     for step in steps:
-        for t, tile in enumerate(step.tiles):
-            for chunk in range(tile.q_rows.start // c, tile.q_rows.stop // c):
-                visits[chunk].append((step.index, t))
-    role = {}  # (step, tile, chunk) -> (second, last) for every visit after the first
-    for chunk, seen in visits.items():
-        for n, (i, t) in enumerate(seen[1:], start=1):
-            role[(i, t, chunk)] = (n == 1, n == len(seen) - 1)
-    out = []
-    for step in steps:
-        tiles = []
-        for t, tile in enumerate(step.tiles):
-            parts = [(chunk, role[(step.index, t, chunk)])
-                     for chunk in range(tile.q_rows.start // c, tile.q_rows.stop // c) if (step.index, t, chunk) in role]
-            merges = []
-            for chunk, (second, last) in parts:  # one merge per run of chunks that join alike
-                if merges and (merges[-1].second, merges[-1].last) == (second, last):
-                    merges[-1] = RowMerge(slice(merges[-1].rows.start, (chunk + 1) * c), second, last)
-                else:
-                    merges.append(RowMerge(slice(chunk * c, (chunk + 1) * c), second, last))
-            tiles.append(dataclasses.replace(tile, merges=tuple(merges)))
-        out.append(dataclasses.replace(step, tiles=tuple(tiles)))
-    alone = tuple(slice(chunk * c, (chunk + 1) * c) for chunk, seen in visits.items() if len(seen) == 1)
-    return tuple(out), alone
+        rows: list[list[slice]] = []   # rows taken in each of this step's new buffers
+        where: dict[int, int] = {}
+        for group in step.groups:
+            if step.tiles[group[0]].sink:
+                continue
+            group_rows = [step.tiles[t].q_rows for t in group]
+            n = next((n for n, taken in enumerate(rows) if not _overlaps(group_rows, taken)), len(rows))
+            if n == len(rows):
+                rows.append([])
+            rows[n] += group_rows
+            for t in group:
+                where[t] = n
+        if used + len(rows) > parts and out:
+            out[-1] = dataclasses.replace(out[-1], merges=used)
+            used = 0
+        if len(rows) > parts:
+            raise ValueError(f"step {step.index} needs {len(rows)} buffers of results, more than {parts}")
+        tiles = tuple(dataclasses.replace(t, part=used + where[n]) if n in where else t
+                      for n, t in enumerate(step.tiles))
+        used += len(rows)
+        out.append(dataclasses.replace(step, tiles=tiles, merges=0))
+    out[-1] = dataclasses.replace(out[-1], merges=used)
+    return tuple(out)

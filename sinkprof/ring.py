@@ -24,7 +24,7 @@ from .kernels.base import BackwardState
 from .options import CPOptions, KVSchedule, SinkStrategy, accum_dtype
 from .plan import RankPlan, Step, Tile, global_rows, rows_in
 from .schedule import CommSchedule, comm_schedule, row_bytes
-from .sink import fold_, merge_, sink_grad, sink_logits
+from .sink import NEG_INF, merge_parts_, sink_grad, sink_logits
 
 
 class KVSource(Protocol):
@@ -177,77 +177,77 @@ def tile_sink(tile: Tile, sink: Optional[torch.Tensor], strategy: SinkStrategy) 
 
 @dataclass(frozen=True)
 class ForwardState:
-    """One rank's forward tensors (``[b, h, 2c, d]`` views; lse ``[b, h, 2c]``)."""
+    """One rank's forward tensors (``[b, h, n, d]`` views; lse ``[b, h, n]``; the parts one more
+    leading dimension, a buffer each)."""
 
     q: torch.Tensor
-    o_acc: Optional[torch.Tensor]   # merged output so far (accumulator dtype); None if the plan never needs it
-    lse_acc: torch.Tensor     # merged log-sum-exp so far; sink-inclusive once ``run_forward`` returns
-    out: torch.Tensor         # the output, in q's dtype; also holds each row's first partial result
+    out: torch.Tensor         # q's dtype: the rows' first tiles' results, at the end the output
+    lse: torch.Tensor         # the rows' merged log-sum-exp; sink-inclusive once ``run_forward`` returns
+    parts_o: torch.Tensor     # [parts, ...] q's dtype: later tiles' results waiting for their merge
+    parts_lse: torch.Tensor   # [parts, ...] accumulator dtype: -inf on the rows no tile of the buffer wrote
+    o_acc: Optional[torch.Tensor]   # accumulator dtype; only when the later results merge more than once
+
+    @classmethod
+    def make(cls, plan: RankPlan, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+             fill: Optional[float] = None) -> "ForwardState":
+        """The buffers ``plan`` needs next to ``q``, ``out`` and ``lse`` (``[b, s, h, d]`` storage,
+        the layout the GPU kernels write fastest). ``fill``: the parts' initial value (the emulator
+        fills them with NaN, which proves the merge never reads a row no tile wrote)."""
+        b, h, n, d = q.shape
+        like = dict(device=q.device)
+        parts_o = torch.empty(plan.parts, b, n, h, d, dtype=q.dtype, **like).permute(0, 1, 3, 2, 4)
+        if fill is not None:
+            parts_o.fill_(fill)
+        parts_lse = torch.full((plan.parts, b, h, n), NEG_INF, dtype=lse.dtype, **like)
+        o_acc = torch.empty(b, n, h, d, dtype=lse.dtype, **like).transpose(1, 2) if plan.accumulates else None
+        return cls(q, out, lse, parts_o, parts_lse, o_acc)
 
 
 def run_forward(plan: RankPlan, kv: KVSource, *, state: ForwardState, sink: Optional[torch.Tensor],
                 bias: Optional[BiasTiles], opts: CPOptions) -> None:
-    """Every tile of every step, joined to its rows as the plan says (``Tile.merges``): a row's
-    first tile (step 0) writes the output buffer and the stats, later tiles merge into the
-    accumulator, and a row's last tile merges into the output, folding the sink in under
-    post-merge. ``lse_acc`` ends sink-inclusive."""
+    """Every tile of every step: a row's first tile (step 0) writes the output buffer and the
+    stats, later tiles their buffer of ``state.parts_o`` (``Tile.part``), and the buffers are
+    merged into the rows' result where the plan says (``Step.merges``), the last merge writing
+    the output and folding the sink in under post-merge. ``state.lse`` ends sink-inclusive."""
     strategy = faults.active.sink_strategy(opts.sink_strategy)
     fold = sink if strategy is SinkStrategy.POST_MERGE else None
+    last = plan.steps[-1]
+    merged = False    # the rows' result so far is in the accumulator, not the output buffer
     for step in plan.steps:
         k, v = kv.get(step)
         with profiling.active.compute("fwd", step.index):
-            _forward_tiles(step, k=k, v=v, state=state, sink=sink, fold=fold, bias=bias, opts=opts,
-                           strategy=strategy)
-    if fold is not None:
-        for rows in plan.alone:  # rows only their first tile sees: their output is that tile's
-            out = state.out[:, :, rows]
-            fold_(out, out, state.lse_acc[:, :, rows], fold)
+            _forward_tiles(step, k=k, v=v, state=state, sink=sink, bias=bias, opts=opts, strategy=strategy)
+            final = step is last
+            if step.merges or (final and fold is not None):
+                n = step.merges
+                merge_parts_(state.o_acc if merged else state.out, state.lse, state.parts_o[:n],
+                             state.parts_lse[:n], into=state.out if final else state.o_acc,
+                             sink=fold if final else None)
+                if not final:
+                    state.parts_lse[:n].fill_(NEG_INF)
+                    merged = True
 
 
-def _forward_tiles(step: Step, *, k, v, state: ForwardState, sink, fold, bias, opts: CPOptions,
+def _forward_tiles(step: Step, *, k, v, state: ForwardState, sink, bias, opts: CPOptions,
                    strategy: SinkStrategy) -> None:
-    """One forward step: every tile (a group of tiles in one call where the step has them),
-    written or merged where its rows' result belongs."""
-    q, out, lse_acc = state.q, state.out, state.lse_acc
+    """One forward step: every tile (a group of tiles in one call where the step has them) written
+    into its rows of the output (a first tile) or of its buffer of later results."""
+    q = state.q
     for group in step.groups:
         first = step.tiles[group[0]]
+        out, lse = (state.out, state.lse) if first.sink else (state.parts_o[first.part], state.parts_lse[first.part])
+        a = tile_sink(first, sink, strategy)
         if len(group) > 1 and bias is None:
             tiles = [step.tiles[t] for t in group]
-            rows, cols = tuple(t.q_rows for t in tiles), tuple(t.kv_rows for t in tiles)
-            a = tile_sink(first, sink, strategy)
-            if first.sink:  # the rows' first tiles: straight into the output buffer and the stats
-                opts.kernel.forward_group(q, k, v, rows, cols, first.band, a, opts.scale, out=out, lse=lse_acc)
-                continue
-            o, lse = opts.kernel.forward_group(q, k, v, rows, cols, first.band, a, opts.scale)
-            for tile in tiles:
-                for m in tile.merges:
-                    _merge(m, o[:, :, m.rows], lse[:, :, m.rows], state, fold)
+            opts.kernel.forward_group(q, k, v, tuple(t.q_rows for t in tiles), tuple(t.kv_rows for t in tiles),
+                                      first.band, a, opts.scale, out=out, lse=lse)
             continue
         for t in group:
             tile = step.tiles[t]
-            rows = tile.q_rows
-            args = (q[:, :, rows], k[:, :, tile.kv_rows], v[:, :, tile.kv_rows], tile.band,
-                    tile_sink(tile, sink, strategy), bias.tile(step, t) if bias else None, opts.scale)
-            if tile.sink:  # the first tile of these rows: straight into the output buffer and the stats
-                opts.kernel.forward(*args, out=out[:, :, rows], lse=lse_acc[:, :, rows])
-                continue
-            o, lse = opts.kernel.forward(*args)
-            for m in tile.merges:
-                part = slice(m.rows.start - rows.start, m.rows.stop - rows.start)
-                _merge(m, o[:, :, part], lse[:, :, part], state, fold)
-
-
-def _merge(m, o, lse, state: ForwardState, fold) -> None:
-    """A later tile's partial result ``o``, ``lse`` (of rows ``m.rows``) merged as ``m`` says."""
-    out, o_acc, lse_acc = state.out, state.o_acc, state.lse_acc
-    merged = (out if m.second else o_acc)[:, :, m.rows]
-    if m.last:
-        into = out[:, :, m.rows]
-    elif m.second:
-        into = o_acc[:, :, m.rows]
-    else:
-        into = None                  # in place, in the accumulator
-    merge_(merged, lse_acc[:, :, m.rows], o, lse, into=into, sink=fold if m.last else None)
+            rows, cols = tile.q_rows, tile.kv_rows
+            opts.kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], tile.band, tile_sink(tile, sink, strategy),
+                                bias.tile(step, t) if bias else None, opts.scale, out=out[:, :, rows],
+                                lse=lse[:, :, rows])
 
 
 def run_backward(plan: RankPlan, kv: KVSource, dkv: DKVSink, *, state: BackwardState,
@@ -536,12 +536,10 @@ class P2PAttention(torch.autograd.Function):
         h = q.shape[2]
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, h, q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
-        o_acc = torch.empty(q.shape, dtype=acc, device=q.device) if plan.accumulates else None
         lse = torch.empty((q.shape[1 - fmt.seq_dim], h, q.shape[fmt.seq_dim]), dtype=acc, device=q.device)
         out = torch.empty_like(q)
         run_forward(plan, kv_movers(schedule, comm, k, v, fmt, "fwd"),
-                    state=ForwardState(fmt.to_bhsd(q), None if o_acc is None else fmt.to_bhsd(o_acc), lse,
-                                       fmt.to_bhsd(out)),
+                    state=ForwardState.make(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), lse),
                     sink=sink, bias=bias_tiles, opts=opts)
         ctx.save_for_backward(q, k, v, out, lse, offset, bias)
         ctx.opts, ctx.comm, ctx.schedule, ctx.sink_is_param = opts, comm, schedule, offset is not None

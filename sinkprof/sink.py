@@ -39,52 +39,42 @@ def _fused(acc_dtype: torch.dtype, *tensors: torch.Tensor):
     return fused if fused.usable(acc_dtype, *tensors) else None
 
 
-def merge_(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *,
-           into: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None) -> None:
-    """Add a partial result over a disjoint key set to the merged result so far.
+def merge_parts_(o: torch.Tensor, lse: torch.Tensor, parts_o: torch.Tensor, parts_lse: torch.Tensor, *,
+                 into: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None) -> None:
+    """Merge partial results over disjoint key sets into the rows' result so far, in one pass.
 
-    The new part's weight is ``exp(lse - lse') = sigmoid(lse - lse_acc)``; ``lse_acc`` is updated
-    in place. The merged ``o`` goes to ``into`` (any dtype: the output buffer when this is the
-    rows' last part), else back into ``o_acc``; ``o_acc`` itself may be in any dtype (the rows'
-    first part, still in the output buffer). With ``sink``, the sink is folded in as well (the
-    rows' last part under post-merge), so the output is written once. On CUDA this is one fused
-    kernel; the torch form below is the reference and the CPU path.
+    ``o``, ``lse``: the rows' result so far (``o`` in any dtype; ``lse`` in the accumulators' and
+    updated in place); ``parts_o`` ``[n, b, h, s, d]``, ``parts_lse`` ``[n, b, h, s]``: n more
+    partial results (n may be 0), ``-inf`` on rows a part does not cover, whose ``o`` is never
+    read. With ``m = max`` of the lse's and weights ``w_i = exp(lse_i - m)``, the merged result is
+    ``o' = sum w_i o_i / sum w_i`` and ``lse' = m + log sum w_i``; a row no part covers keeps
+    ``o`` (0) and ``-inf``. ``o'`` goes to ``into`` (any dtype), else back into ``o``. With
+    ``sink`` the sink is folded in as well, ``lse'' = logaddexp(lse', a)`` and
+    ``o'' = o' * sigmoid(lse' - a)`` (0 for an empty row), so the output is written once. On CUDA
+    this is one fused kernel; the torch form below is the reference and the CPU path.
     """
-    fused = _fused(lse_acc.dtype, o_acc, o, into if into is not None else o_acc)
+    dst = o if into is None else into
+    fused = _fused(lse.dtype, o, dst, *([parts_o] if len(parts_o) else []))
     if fused is not None:
-        fused.merge_(o_acc, lse_acc, o, lse, into=into, sink=sink)
+        fused.merge_parts_(o, lse, parts_o, parts_lse, into=into, sink=sink)
         return
-    diff = lse.to(lse_acc.dtype) - lse_acc
-    diff.nan_to_num_(nan=NEG_INF)                 # both rows empty: keep the accumulator as it is
-    weight = torch.sigmoid(diff).unsqueeze(-1)
-    torch.logaddexp(lse_acc, lse.to(lse_acc.dtype), out=lse_acc)
-    if into is None and sink is None and o_acc.dtype == lse_acc.dtype:
-        o_acc.lerp_(o.to(o_acc.dtype), weight)    # (1 - w) o_acc + w o, exact at w = 0 and w = 1
-        return
-    merged = torch.lerp(o_acc.to(lse_acc.dtype), o.to(lse_acc.dtype), weight)
+    acc = lse.dtype
+    lses = torch.cat([lse.unsqueeze(0), parts_lse.to(acc)])
+    top = lses.amax(0)
+    ref = torch.where(torch.isneginf(top), 0.0, top)
+    weights = torch.exp(lses - ref).unsqueeze(-1)              # 0 where a part does not cover the row
+    merged = weights[0] * o.to(acc)
+    for w, part in zip(weights[1:], parts_o):
+        merged += torch.where(w > 0, w * part.to(acc), 0.0)   # a row a part does not cover is never read
+    total = weights.sum(0)
+    merged = torch.where(total > 0, merged / total, o.to(acc))
+    merged_lse = torch.where(total.squeeze(-1) > 0, ref + torch.log(total.squeeze(-1)), NEG_INF)
     if sink is not None:
-        a = _as_rows(sink, lse_acc.dtype)
-        merged.mul_(torch.sigmoid(lse_acc - a).unsqueeze(-1))
-        lse_acc.copy_(torch.logaddexp(lse_acc, a))
-    (o_acc if into is None else into).copy_(merged)
-
-
-def fold_(out: torch.Tensor, o_acc: torch.Tensor, lse_acc: torch.Tensor, sink: Optional[torch.Tensor]) -> None:
-    """Write the merged result into ``out`` (the output dtype), folding the sink in once if given.
-
-    ``lse' = logaddexp(lse, a)`` and ``o' = o * sigmoid(lse - a)`` (0 for an empty row); the
-    product is written straight into ``out``, so folding costs no extra pass over ``o``.
-    """
-    if sink is None:
-        out.copy_(o_acc)
-        return
-    fused = _fused(lse_acc.dtype, o_acc, out)
-    if fused is not None:
-        fused.fold_(out, o_acc, lse_acc, sink)
-        return
-    a = _as_rows(sink, lse_acc.dtype)
-    out.copy_(o_acc.to(lse_acc.dtype) * torch.sigmoid(lse_acc - a).unsqueeze(-1))
-    lse_acc.copy_(torch.logaddexp(lse_acc, a))
+        a = _as_rows(sink, acc)
+        merged.mul_(torch.sigmoid(merged_lse - a).unsqueeze(-1))
+        merged_lse = torch.logaddexp(merged_lse, a)
+    lse.copy_(merged_lse)
+    dst.copy_(merged)
 
 
 def delta(o: torch.Tensor, grad_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -228,51 +228,62 @@ def test_a_graph_build_during_capture_names_the_missing_warm_up():
 
 @pytest.mark.parametrize("d", [64, 80, 128, 256])
 @pytest.mark.parametrize("layout", ["bshd", "sbhd"])
-def test_fused_sink_kernels_match_the_torch_formulas_in_fp64(d, layout):
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_fused_sink_kernels_match_the_torch_formulas_in_fp64(d, layout, n):
+    """The merge of n later parts (rows some part does not cover hold NaN, never to be read), the
+    fold, and the sink gradient's row terms, against the torch formulas in fp64."""
     from sinkprof import fused
     from sinkprof import sink as sk
     if fused.disabled_reason():
         pytest.skip(fused.disabled_reason())
-    gen = torch.Generator().manual_seed(d)
+    gen = torch.Generator().manual_seed(d + n)
     b, h, s = 2, 4, 300
 
-    def rows(dtype):  # a [b, h, s, d] view of a bshd or sbhd buffer
-        x = torch.randn(b, s, h, d, generator=gen) if layout == "bshd" else torch.randn(s, b, h, d, generator=gen)
+    def rows(dtype, *lead):  # a [.., b, h, s, d] view of a bshd or sbhd buffer
+        x = torch.randn(*lead, b, s, h, d, generator=gen) if layout == "bshd" else \
+            torch.randn(*lead, s, b, h, d, generator=gen)
         x = x.to("cuda", dtype)
-        return x.permute(0, 2, 1, 3) if layout == "bshd" else x.permute(1, 2, 0, 3)
-    o_acc, o, out = rows(torch.float32), rows(torch.bfloat16), rows(torch.bfloat16)
+        k = len(lead)
+        dims = (*range(k), k, k + 2, k + 1, k + 3) if layout == "bshd" else (*range(k), k + 1, k + 2, k, k + 3)
+        return x.permute(*dims)
+    o_acc, parts_o = rows(torch.float32), rows(torch.bfloat16, n)
     lse_acc = (torch.randn(b, h, s, generator=gen) * 3).cuda()
-    lse = (torch.randn(b, h, s, generator=gen) * 3).cuda()
-    lse_acc[..., :10] = float("-inf")            # rows 0-4: only the new part; 5-9: both empty
-    lse[..., 5:15] = float("-inf")               # rows 10-14: only the accumulator
+    parts_lse = (torch.randn(n, b, h, s, generator=gen) * 3).cuda()
+    lse_acc[..., :10] = float("-inf")            # rows 0-4: the parts only; 5-9: nothing at all
     o_acc[..., :10, :] = 0
-    o[..., 5:15, :] = 0
+    parts_lse[..., 5:15] = float("-inf")         # rows 10-14: the result so far only
+    parts_o[..., 5:15, :] = float("nan")
+    for i in range(n):                           # and each part misses a span of its own
+        parts_lse[i, ..., 20 + 40 * i:50 + 40 * i] = float("-inf")
+        parts_o[i, ..., 20 + 40 * i:50 + 40 * i, :] = float("nan")
     sink = (torch.randn(1, h, 1, 1, generator=gen) * 5).cuda()
-    assert sk._fused(torch.float32, o_acc, o) is not None   # this test runs the fused kernels
+    assert sk._fused(torch.float32, o_acc, parts_o) is not None   # this test runs the fused kernels
 
     def cpu64(x):
         return x.detach().to("cpu", torch.float64)
     ref_acc, ref_lse = cpu64(o_acc), cpu64(lse_acc)
-    sk.merge_(ref_acc, ref_lse, cpu64(o), cpu64(lse))
-    sk.merge_(o_acc, lse_acc, o, lse)
+    sk.merge_parts_(ref_acc, ref_lse, cpu64(parts_o), cpu64(parts_lse))
+    sk.merge_parts_(o_acc, lse_acc, parts_o, parts_lse)
     torch.testing.assert_close(cpu64(o_acc), ref_acc, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cpu64(lse_acc), ref_lse, atol=1e-5, rtol=1e-5)
-    assert torch.isneginf(lse_acc[..., 5:10]).all() and torch.isfinite(lse_acc[..., 10:]).all()
+    assert torch.isneginf(lse_acc[..., 5:10]).all() and not o_acc.isnan().any()
 
-    plain = torch.empty_like(out)
-    sk.fold_(plain, o_acc, lse_acc, None)                 # no sink: a cast, lse untouched
+    none_o, none_lse = parts_o[:0], parts_lse[:0]
+    plain = rows(torch.bfloat16)
+    sk.merge_parts_(o_acc, lse_acc, none_o, none_lse, into=plain)       # no parts, no sink: a cast
     assert torch.equal(plain, o_acc.to(torch.bfloat16))
     torch.testing.assert_close(cpu64(lse_acc), ref_lse, atol=1e-5, rtol=1e-5)
 
-    ref_out = torch.empty_like(ref_acc)
-    sk.fold_(ref_out, ref_acc, ref_lse, cpu64(sink))
-    sk.fold_(out, o_acc, lse_acc, sink)
+    out, ref_out = rows(torch.bfloat16), torch.empty_like(ref_acc)
+    sk.merge_parts_(ref_acc, ref_lse, cpu64(none_o), cpu64(none_lse), into=ref_out, sink=cpu64(sink))
+    sk.merge_parts_(o_acc, lse_acc, none_o, none_lse, into=out, sink=sink)   # the fold alone
     torch.testing.assert_close(cpu64(out), ref_out, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(cpu64(lse_acc), ref_lse, atol=1e-5, rtol=1e-5)   # empty rows end at a
 
-    # the sink gradient of the rows, from o', dO and lse' (o plays dO here)
-    ref_grad = sk.sink_grad(cpu64(out), cpu64(o), cpu64(lse_acc), cpu64(sink))
-    got = sk.sink_grad(out, o, lse_acc, sink)
+    # the sink gradient of the rows, from o', dO and lse' (a part plays dO here)
+    d_out = rows(torch.bfloat16)
+    ref_grad = sk.sink_grad(cpu64(out), cpu64(d_out), cpu64(lse_acc), cpu64(sink))
+    got = sk.sink_grad(out, d_out, lse_acc, sink)
     assert got.shape == (1, h, 1, 1) and got.dtype == torch.float32
     torch.testing.assert_close(cpu64(got), ref_grad, atol=1e-3, rtol=1e-4)
     assert ref_grad.abs().max() > 1.0
@@ -284,39 +295,39 @@ def test_fused_sink_kernels_match_the_torch_formulas_in_fp64(d, layout):
 @pytest.mark.parametrize("layout", ["bshd", "sbhd"])
 def test_fused_merge_into_another_buffer_and_with_the_fold_matches_fp64(first_dtype, into_dtype, with_sink, layout):
     """The ring's merges: from the accumulator or the output buffer, into either, with the sink
-    folded in on a row's last merge; against the torch formulas in fp64."""
+    folded in on the last merge; against the torch formulas in fp64."""
     from sinkprof import fused
     from sinkprof import sink as sk
     if fused.disabled_reason():
         pytest.skip(fused.disabled_reason())
-    if with_sink and into_dtype is None:
-        pytest.skip("the fold goes with a merge into the output")
+    if into_dtype is None and first_dtype != torch.float32:
+        pytest.skip("an in-place merge keeps the accumulator in fp32")
     gen = torch.Generator().manual_seed(7)
-    b, h, s, d = 2, 4, 300, 128
+    b, h, s, d, n = 2, 4, 300, 128, 2
 
-    def rows(dtype):
-        x = torch.randn(b, s, h, d, generator=gen) if layout == "bshd" else torch.randn(s, b, h, d, generator=gen)
+    def rows(dtype, *lead):
+        x = torch.randn(*lead, b, s, h, d, generator=gen) if layout == "bshd" else \
+            torch.randn(*lead, s, b, h, d, generator=gen)
         x = x.to("cuda", dtype)
-        return x.permute(0, 2, 1, 3) if layout == "bshd" else x.permute(1, 2, 0, 3)
-    first, o = rows(first_dtype), rows(torch.bfloat16)
-    lse_first, lse = ((torch.randn(b, h, s, generator=gen) * 3).cuda() for _ in range(2))
+        k = len(lead)
+        dims = (*range(k), k, k + 2, k + 1, k + 3) if layout == "bshd" else (*range(k), k + 1, k + 2, k, k + 3)
+        return x.permute(*dims)
+    first, parts_o = rows(first_dtype), rows(torch.bfloat16, n)
+    lse_first = (torch.randn(b, h, s, generator=gen) * 3).cuda()
+    parts_lse = (torch.randn(n, b, h, s, generator=gen) * 3).cuda()
     lse_first[..., :10] = float("-inf")
-    lse[..., 5:15] = float("-inf")
     first[..., :10, :] = 0
-    o[..., 5:15, :] = 0
+    parts_lse[..., 5:15] = float("-inf")
+    parts_o[..., 5:15, :] = float("nan")
     sink = (torch.randn(1, h, 1, 1, generator=gen) * 5).cuda() if with_sink else None
     into = None if into_dtype is None else rows(into_dtype)
-    if into is None and first_dtype != torch.float32:
-        pytest.skip("an in-place merge keeps the accumulator in fp32")
 
     def cpu64(x):
         return x.detach().to("cpu", torch.float64)
     want, want_lse = cpu64(first), cpu64(lse_first)
-    sk.merge_(want, want_lse, cpu64(o), cpu64(lse))
-    if sink is not None:
-        sk.fold_(want, want.clone(), want_lse, cpu64(sink))
-    assert sk._fused(torch.float32, first, o) is not None
-    sk.merge_(first, lse_first, o, lse, into=into, sink=sink)
+    sk.merge_parts_(want, want_lse, cpu64(parts_o), cpu64(parts_lse), sink=None if sink is None else cpu64(sink))
+    assert sk._fused(torch.float32, first, parts_o) is not None
+    sk.merge_parts_(first, lse_first, parts_o, parts_lse, into=into, sink=sink)
     got = first if into is None else into
     tol = 2e-2 if got.dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(cpu64(got), want, atol=tol, rtol=tol)

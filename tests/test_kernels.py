@@ -5,7 +5,7 @@ import torch
 import sinkprof
 from sinkprof.kernels import BackendUnavailable, TorchTiles, get_kernel
 from sinkprof.options import Band
-from sinkprof.sink import merge_
+from sinkprof.sink import merge_parts_
 
 
 def _data(seed=0, b=2, s=10, h=4, g=2, d=8):
@@ -62,7 +62,7 @@ def test_tiles_driven_with_merged_stats_reproduce_the_whole_attention():
     lse_acc = torch.full((2, 4, 10), float("-inf"), dtype=torch.float64)
     for cols, band, sink in tiles:
         o, lse = kern.forward(qh, kh[:, :, cols], vh[:, :, cols], band, sink, None, 8 ** -0.5)
-        merge_(o_acc, lse_acc, o, lse)
+        merge_parts_(o_acc, lse_acc, o.unsqueeze(0), lse.unsqueeze(0))
     assert torch.allclose(o_acc, bhsd(ref.detach()), atol=1e-13)
     dq = torch.zeros_like(qh)
     dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)

@@ -1,11 +1,13 @@
 """The ring plan as data: layout, exact coverage of the attention matrix, sink placement."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import sinkprof
 from sinkprof.options import Band
-from sinkprof.plan import chunk_ids, global_rows, ring_plan
+from sinkprof.plan import PARTS, _with_parts, chunk_ids, global_rows, ring_plan
 from sinkprof.schedule import CommSchedule
 from sinkprof.options import KVSchedule
 
@@ -108,34 +110,36 @@ def test_ring_schedule_message_counts():
     assert sum(n for (_, _, kind), n in counts.items() if kind == "kv") == 4
 
 
-@pytest.mark.parametrize("cp,chunk", [(1, 4), (2, 3), (3, 4), (4, 2), (5, 3)])
+@pytest.mark.parametrize("cp,chunk", [(1, 4), (2, 3), (3, 4), (4, 2), (5, 3), (11, 2), (20, 1)])
 @pytest.mark.parametrize("band", BANDS, ids=str)
-def test_merges_say_how_each_tile_joins_its_rows(cp, chunk, band):
-    """Per local chunk, in forward order: the first tile is step 0's (it writes the output buffer),
-    the second merges from that buffer, the last writes the output; chunks one tile sees are alone."""
+@pytest.mark.parametrize("parts", [2, 3, PARTS])   # a step needs at most 2 (a chunk sees 2 K/V chunks)
+def test_parts_hold_every_later_tile_until_its_merge(cp, chunk, band, parts):
+    """Step 0's first tiles write the output; every later tile writes a buffer whose rows no other
+    tile of that buffer touches before it is merged; the merges empty the buffers they filled, at
+    most ``parts`` of them at a time, and the last step merges whatever is left."""
     for rank in range(cp):
         plan = ring_plan(cp, rank, chunk, band)
-        roles = {0: [], 1: []}
+        if parts != PARTS:
+            plan = dataclasses.replace(plan, steps=_with_parts(list(plan.steps), parts))
+        assert plan.parts <= parts
+        covered_first: list[int] = []
+        pending: dict[int, set] = {}       # buffer -> rows written since its last merge
+        merges = 0
         for step in plan.steps:
+            for group in step.groups:
+                assert len({step.tiles[t].part for t in group}) == 1    # a group is one kernel call: one buffer
             for tile in step.tiles:
-                covered = set(range(tile.q_rows.start // chunk, tile.q_rows.stop // chunk))
-                merged = {}
-                for m in tile.merges:
-                    assert m.rows.start % chunk == 0 and m.rows.stop % chunk == 0
-                    for c in range(m.rows.start // chunk, m.rows.stop // chunk):
-                        merged[c] = (m.second, m.last)
+                rows = set(range(tile.q_rows.start, tile.q_rows.stop))
                 if tile.sink:
-                    assert not tile.merges and step.index == 0
-                else:
-                    assert set(merged) == covered
-                for c in covered:
-                    roles[c].append(merged.get(c))
-        alone = set()
-        for c, seen in roles.items():
-            assert seen[0] is None                                   # the first visit is the sink tile's
-            later = seen[1:]
-            assert [s for s, _ in later] == [True] + [False] * (len(later) - 1) if later else True
-            assert [last for _, last in later] == [False] * (len(later) - 1) + [True] if later else True
-            if not later:
-                alone.update(range(c * chunk, (c + 1) * chunk))
-        assert alone == {r for part in plan.alone for r in range(part.start, part.stop)}
+                    assert step.index == 0 and tile.part == -1
+                    covered_first += rows
+                    continue
+                assert 0 <= tile.part < parts
+                assert not rows & pending.setdefault(tile.part, set())
+                pending[tile.part] |= rows
+            if step.merges:
+                assert set(pending) == set(range(step.merges))
+                pending, merges = {}, merges + 1
+        assert not pending                                        # the last step merged them all
+        assert sorted(covered_first) == list(range(2 * chunk))    # every row's first tile writes the output
+        assert plan.accumulates == (merges > 1)

@@ -343,15 +343,13 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
         q = shard(x.q, cp, rank, sd, cu)
         do = fmt.to_bhsd(shard(x.grad_out, cp, rank, sd, cu))
         bias = BiasTiles(x.bias, plan, positions[rank], positions, acc) if x.bias is not None else None
-        o_acc = torch.empty(q.shape, dtype=acc, device=device) if plan.accumulates else None
         lse = torch.empty(q.shape[1 - sd], case.shape.h, q.shape[sd], dtype=acc, device=device)
         out = torch.empty_like(q)
         dq = torch.empty(q.shape, dtype=acc, device=device)
         dkv = LocalDKV(torch.zeros(ks[0].shape, dtype=acc, device=device),
                         torch.zeros(vs[0].shape, dtype=acc, device=device))
         rows: list = []
-        fwd_state = ForwardState(fmt.to_bhsd(q), None if o_acc is None else fmt.to_bhsd(o_acc), lse,
-                                 fmt.to_bhsd(out))
+        fwd_state = ForwardState.make(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), lse)
         bwd_state = BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), do, lse, fmt.to_bhsd(dq))
 
         def fwd(_inject):

@@ -18,7 +18,7 @@ import torch
 from ..faults import RANK_FAILURES, Fault, Injected
 from ..kernels import resolve_backend
 from ..options import DTYPES, AttnSpec, Backend, CommType, KVSchedule, SoftmaxType, accum_dtype
-from ..plan import ring_plan, rows_in
+from ..plan import ring_plan
 from .cases import Case, a2a_members, expand
 
 GIB = 2 ** 30
@@ -77,7 +77,8 @@ def sink_counted_again(spec: AttnSpec, s: int, ring: int) -> bool:
     row that a second tile sees (the bug counts that row's sink again). Not on a one-rank ring (its
     one step is one tile per document), nor under a window that sees no key beyond the own chunk."""
     chunks = spec.chunks(s, ring)
-    return any(rows_in(ring_plan(ring, rank, chunks, spec.band).alone) < 2 * sum(chunks) for rank in range(ring))
+    return any(not tile.sink for rank in range(ring) for step in ring_plan(ring, rank, chunks, spec.band).steps
+               for tile in step.tiles)
 
 
 def _doc_leak_shows(case: Case, ranks: int) -> bool:
