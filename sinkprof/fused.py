@@ -112,6 +112,23 @@ if triton is not None:
         tl.store(dst, merged.to(dst_ptr.dtype.element_ty), mask=tile)
 
     @triton.jit
+    def _add_rows_kernel(dst_ptr, src_ptr, idx_ptr, R, H, S, D, dst_sb, dst_sh, dst_ss, src_sb, src_sh, src_ss,
+                         WRITE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = rows < R
+        cols = tl.arange(0, BLOCK_D)
+        tile = live[:, None] & (cols < D)[None, :]
+        s = tl.load(idx_ptr + rows % S, mask=live, other=0).to(tl.int64)   # the row's place in the sequence
+        bh = rows // S
+        b, h = bh // H, bh % H
+        src = src_ptr + (b * src_sb + h * src_sh + s * src_ss)[:, None] + cols[None, :]
+        dst = dst_ptr + (b * dst_sb + h * dst_sh + s * dst_ss)[:, None] + cols[None, :]
+        x = tl.load(src, mask=tile, other=0.0).to(tl.float32)
+        if not WRITE:
+            x += tl.load(dst, mask=tile, other=0.0).to(tl.float32)
+        tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=tile)
+
+    @triton.jit
     def _sink_grad_kernel(g_ptr, o_ptr, do_ptr, l_ptr, a_ptr, R, H, S, D, o_sb, o_sh, o_ss,
                           do_sb, do_sh, do_ss, l_sb, l_sh, l_ss, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -140,6 +157,17 @@ def merge_parts_(o: torch.Tensor, lse: torch.Tensor, parts_o: torch.Tensor, part
                                                  *_rows(lse), po.stride(0), *_rows(po[0]), pl.stride(0), *_rows(pl[0]),
                                                  N=n, HAS_SINK=sink is not None, BLOCK_R=block,
                                                  BLOCK_D=triton.next_power_of_2(d), num_warps=NUM_WARPS)
+
+
+def add_rows_(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, *, write: bool) -> None:
+    """``dst[:, :, index] += src[:, :, index]`` (``=`` with ``write``) for ``[b, h, s, d]`` views and
+    an int32 ``index`` of sequence positions, in one pass."""
+    b, h, _, d = dst.shape
+    n = index.shape[0]
+    block = _block_rows(d)
+    _add_rows_kernel[_grid(b * h * n, block)](dst, src, index, b * h * n, h, n, d, *_rows(dst), *_rows(src),
+                                              WRITE=write, BLOCK_R=block, BLOCK_D=triton.next_power_of_2(d),
+                                              num_warps=NUM_WARPS)
 
 
 def sink_grad_rows(o: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

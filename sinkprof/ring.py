@@ -20,7 +20,7 @@ from typing import Optional, Protocol
 import torch
 
 from . import faults, profiling
-from .kernels.base import BackwardState
+from .kernels.base import BackwardState, add_rows_
 from .options import CPOptions, KVSchedule, SinkStrategy, accum_dtype
 from .plan import RankPlan, Step, Tile, global_rows, rows_in
 from .schedule import CommSchedule, comm_schedule, row_bytes
@@ -280,12 +280,11 @@ def _backward_tiles(step: Step, *, k, v, dk, dv, rows, sink, bias, strategy: Sin
         first = step.tiles[group[0]]
         if len(group) > 1 and bias is None:
             tiles = [step.tiles[t] for t in group]
-            grads = rows.group(tuple(t.q_rows for t in tiles), k, v, tuple(t.kv_rows for t in tiles), first.band,
-                               tile_sink(first, sink, strategy), first=first.sink)
-            for tile in tiles:
-                cols = tile.kv_rows
-                dk[:, :, cols] += grads.dk[:, :, cols]
-                dv[:, :, cols] += grads.dv[:, :, cols]
+            cols = tuple(t.kv_rows for t in tiles)
+            grads = rows.group(tuple(t.q_rows for t in tiles), k, v, cols, first.band, tile_sink(first, sink, strategy),
+                               first=first.sink)
+            add_rows_(dk, grads.dk, cols)
+            add_rows_(dv, grads.dv, cols)
             if grads.d_sink is not None:
                 d_sink += grads.d_sink
             continue

@@ -60,11 +60,27 @@ SCRIPT = textwrap.dedent('''
     fused.merge_parts_(acc, lse, parts_o, parts_lse)
     torch.testing.assert_close(acc.double(), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+    # a group's rows added (or written) in one pass: only the indexed rows change
+    for write in (False, True):
+        dst, src = bshd(b, h, s, d, dtype=torch.float32), bshd(b, h, s, d, dtype=torch.bfloat16)
+        index = torch.tensor([3, 4, 5, 20, 21, 36], dtype=torch.int32)
+        want = dst.clone()
+        want[:, :, index.long()] = src[:, :, index.long()].float() + (0 if write else want[:, :, index.long()])
+        fused.add_rows_(dst, src, index, write=write)
+        assert torch.equal(dst, want), write
+
+    # the sink gradient's row terms
+    o, d_o = bshd(b, h, s, d, dtype=torch.bfloat16), bshd(b, h, s, d, dtype=torch.bfloat16)
+    lse, a = torch.randn(b, h, s) * 3, torch.randn(1, h, 1, 1) * 5
+    got = fused.sink_grad_rows(o, d_o, lse, a).sum(dim=(0, 2))
+    want = sink.sink_grad(o.double(), d_o.double(), lse.double(), a.double()).flatten()
+    torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=1e-4)
     print("ok")
 ''')
 
 
-def test_fused_merge_of_parts_matches_the_torch_formulas():
+def test_fused_kernels_match_the_torch_formulas():
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr

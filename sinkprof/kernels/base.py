@@ -105,12 +105,7 @@ class TileRowsBackward:
     def group(self, rows, k, v, cols, band: Band, sink, *, first: bool) -> TileGrads:
         s = self.state
         grads = self.kernel.backward_group(s.q, k, v, s.out, s.grad_out, s.lse, rows, cols, band, sink, self.scale)
-        for r in rows:
-            dq = s.dq_acc[:, :, r]
-            if first:
-                dq.copy_(grads.dq[:, :, r])
-            else:
-                dq += grads.dq[:, :, r]
+        add_rows_(s.dq_acc, grads.dq, rows, write=first)
         return grads
 
     def finish(self) -> None:
@@ -149,6 +144,30 @@ class TileByTile:
 
 
 IO_DTYPES = (torch.bfloat16, torch.float16)   # what the GPU backends take; other dtypes run on torch
+
+
+def add_rows_(dst: torch.Tensor, src: torch.Tensor, rows: tuple[slice, ...], *, write: bool = False) -> None:
+    """``dst[:, :, r] += src[:, :, r]`` (``=`` with ``write``) for every range ``r`` of ``rows``
+    (``[b, h, s, d]`` views; a group's tiles, a pack's documents): one fused pass on CUDA (a launch
+    per document made a pack's backward pay ~10 us per document per step), a slice at a time
+    elsewhere."""
+    if dst.is_cuda and len(rows) > 1:
+        from .. import fused
+        if fused.usable(dst.dtype, dst, src):
+            fused.add_rows_(dst, src, _row_index(tuple((r.start, r.stop) for r in rows), dst.device), write=write)
+            return
+    for r in rows:
+        if write:
+            dst[:, :, r].copy_(src[:, :, r])
+        else:
+            dst[:, :, r] += src[:, :, r]
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_index(ranges: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    """The sequence positions of ``ranges`` as an int32 tensor, made once (a warm ring stays
+    graph-capturable)."""
+    return torch.cat([torch.arange(lo, hi, dtype=torch.int32) for lo, hi in ranges]).to(device)
 
 
 def optional_module(name: str):
