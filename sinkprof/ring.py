@@ -185,6 +185,7 @@ class ForwardState:
     lse: torch.Tensor         # the rows' merged log-sum-exp; sink-inclusive once ``run_forward`` returns
     parts_o: torch.Tensor     # [parts, ...] q's dtype: later tiles' results waiting for their merge
     parts_lse: torch.Tensor   # [parts, ...] accumulator dtype: -inf on the rows no tile of the buffer wrote
+                              # (``run_forward`` clears it first, so a state serves any number of calls)
     o_acc: Optional[torch.Tensor]   # accumulator dtype; only when the later results merge more than once
 
     @classmethod
@@ -198,7 +199,7 @@ class ForwardState:
         parts_o = torch.empty(plan.parts, b, n, h, d, dtype=q.dtype, **like).permute(0, 1, 3, 2, 4)
         if fill is not None:
             parts_o.fill_(fill)
-        parts_lse = torch.full((plan.parts, b, h, n), NEG_INF, dtype=lse.dtype, **like)
+        parts_lse = torch.empty(plan.parts, b, h, n, dtype=lse.dtype, **like)   # run_forward clears it
         o_acc = torch.empty(b, n, h, d, dtype=lse.dtype, **like).transpose(1, 2) if plan.accumulates else None
         return cls(q, out, lse, parts_o, parts_lse, o_acc)
 
@@ -213,6 +214,7 @@ def run_forward(plan: RankPlan, kv: KVSource, *, state: ForwardState, sink: Opti
     fold = sink if strategy is SinkStrategy.POST_MERGE else None
     last = plan.steps[-1]
     merged = False    # the rows' result so far is in the accumulator, not the output buffer
+    state.parts_lse.fill_(NEG_INF)   # no part covers a row until a tile writes it (the state may be reused)
     for step in plan.steps:
         k, v = kv.get(step)
         with profiling.active.compute("fwd", step.index):

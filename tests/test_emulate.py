@@ -3,9 +3,13 @@ import pytest
 import torch
 
 from sinkprof.emulate import emulate_ring
-from sinkprof.tool.emulate import emulate
-from sinkprof.options import SinkStrategy, make_spec
+from sinkprof.kernels import TorchTiles
+from sinkprof.options import CPOptions, SinkStrategy, make_spec
+from sinkprof.plan import PARTS, shard
+from sinkprof.ring import ForwardState, LocalKV, run_forward
+from sinkprof.schedule import comm_schedule
 from sinkprof.testing import Shape, make_inputs, reference
+from sinkprof.tool.emulate import emulate
 
 SHAPE = Shape(b=2, s=48, h=4, g=2, d=8)
 
@@ -70,3 +74,36 @@ def test_emulate_rows_for_correct_strategies_are_ok():
     rows = emulate([2, 3], ["causal"], [SinkStrategy.STEP0, SinkStrategy.POST_MERGE], SHAPE, seed=0)
     assert all(r.passed and r.ok for r in rows)
     assert all(abs(r.dsink_ratio_min - 1) < 1e-9 and abs(r.dsink_ratio_max - 1) < 1e-9 for r in rows)
+
+
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+def test_more_later_tiles_than_buffers_merge_in_batches_and_a_forward_state_serves_twice(mask):
+    """cp = PARTS + 3: the later results fill their buffers more than once and merge through the
+    fp32 accumulator; the result is exact, and a ``ForwardState`` used again (as benchmarks and
+    graph replays use it) gives the same output, whatever its buffers hold from before."""
+    cp = PARTS + 3
+    spec = make_spec("learnable", mask, None, "bshd")
+    inputs = make_inputs(Shape(b=1, s=4 * cp, h=2, g=1, d=8), spec, seed=cp)
+    ref = reference(inputs, spec)
+    for strategy in (SinkStrategy.STEP0, SinkStrategy.POST_MERGE):
+        assert _max_err(emulate_ring(inputs, spec, cp, strategy).result, ref) <= 1e-12
+
+    schedule = comm_schedule("ring", cp, 2, spec.band, 1, 1)
+    ks, vs = ([spec.qkv_format.to_bhsd(shard(x, cp, r, 1)) for r in range(cp)] for x in (inputs.k, inputs.v))
+    opts = CPOptions(spec, 8 ** -0.5, TorchTiles(), SinkStrategy.POST_MERGE)
+    for rank in (0, cp - 1):
+        plan = schedule.plans[rank]
+        assert plan.accumulates
+        q = spec.qkv_format.to_bhsd(shard(inputs.q, cp, rank, 1))
+        out = torch.empty_like(q)
+        state = ForwardState.make(plan, q, out, torch.empty(q.shape[:3], dtype=torch.float64), fill=float("nan"))
+        outs = []
+        for _ in range(2):
+            run_forward(plan, LocalKV(ks, vs, schedule, rank, "fwd"), state=state, sink=inputs.offset, bias=None,
+                        opts=opts)
+            outs.append(out.clone())
+            state.parts_lse.fill_(0.0)    # whatever the last call (or anything else) left there
+            state.parts_o.fill_(1.0)
+        want = spec.qkv_format.to_bhsd(shard(ref.out, cp, rank, 1))
+        assert (outs[0] - want).abs().max() <= 1e-12
+        assert torch.equal(outs[1], outs[0])
