@@ -85,6 +85,8 @@ if triton is not None:
         la = l_ptr + _row_offsets(rows, H, S, l_sb, l_sh, l_ss)
         pl = pl_ptr + _row_offsets(rows, H, S, pl_sb, pl_sh, pl_ss)
         po = po_ptr + _row_offsets(rows, H, S, po_sb, po_sh, po_ss)[:, None] + cols[None, :]
+        po_sn = po_sn.to(tl.int64)     # a buffer's offset, n * stride, passes 2^31 elements at long contexts
+        pl_sn = pl_sn.to(tl.int64)
         l_o = tl.load(la, mask=live, other=float("-inf"))
         top = l_o
         for n in tl.static_range(N):

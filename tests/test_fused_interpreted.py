@@ -84,3 +84,35 @@ def test_fused_kernels_match_the_torch_formulas():
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+LONG = textwrap.dedent('''
+    import torch
+    from sinkprof import fused
+    h, s, d, n = 2, 8, 16, 3
+    P = 1_100_000_000          # elements per buffer: buffer 2 starts 2.2e9 elements in, past 2^31
+    try:
+        store = torch.empty(n * P, dtype=torch.bfloat16)     # virtual: only the rows written are touched
+    except RuntimeError:
+        print("skip: cannot map the buffers")
+        raise SystemExit
+    parts_o = store.as_strided((n, 1, h, s, d), (P, s * h * d, d, h * d, 1))
+    for i in range(n):
+        parts_o[i].fill_(float(i + 1))
+    parts_lse = torch.full((n, 1, h, s), float("-inf"))
+    parts_lse[n - 1] = 0.0                                   # only the last buffer covers the rows
+    o, lse = torch.zeros(1, h, s, d), torch.full((1, h, s), float("-inf"))
+    fused.merge_parts_(o, lse, parts_o, parts_lse)
+    assert torch.equal(o, torch.full_like(o, float(n))), o.unique()
+    print("ok")
+''')
+
+
+def test_the_fused_merge_reaches_buffers_past_two_to_the_31_elements():
+    """A buffer's offset (n x its stride) passes 2^31 elements at long contexts (cp 8, gpt-oss
+    shapes, ~700k tokens); computed in 32 bits it wrapped to an address gigabytes away."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", LONG], env=env, capture_output=True, text=True, timeout=600)
+    if run.stdout.startswith("skip"):
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr

@@ -164,6 +164,18 @@ def test_flash_tiles_keep_the_device_estimate_linear_and_a_simulation_is_one_pro
         preflight.check_memory([big], 8, "cpu", False, host_free=int(1.5 * one) + 2 ** 30)
 
 
+def test_the_forwards_buffers_of_later_results_are_counted(monkeypatch):
+    """A rank of a 4-rank ring keeps up to 2 x 3 later tiles' results in q's dtype (ring.ForwardState);
+    with no buffers at all every later result would go through the fp32 accumulator instead."""
+    case = expand(Settings(softmax=("vanilla",), mask=("causal",), dtype=("bf16",), seq_len=2 ** 15, ranks=4))[0]
+    sh = case.shape
+    o_local = sh.b * sh.s * sh.h * sh.d // 4
+    with_parts = preflight.case_need(case, 4, False, tile_scores=False)[1]
+    monkeypatch.setattr(preflight, "PARTS", 0)
+    without = preflight.case_need(case, 4, False, tile_scores=False)[1]
+    assert with_parts - without == o_local * (6 * 2 - 4)
+
+
 def test_a_packs_tile_memory_is_its_longest_documents_so_a_pack_of_short_ones_fits():
     def pack(seqlens):
         return Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp64",), qkv_format=("thd",),

@@ -18,7 +18,7 @@ import torch
 from ..faults import RANK_FAILURES, Fault, Injected
 from ..kernels import resolve_backend
 from ..options import DTYPES, AttnSpec, Backend, CommType, KVSchedule, SoftmaxType, accum_dtype
-from ..plan import ring_plan
+from ..plan import PARTS, ring_plan
 from .cases import Case, a2a_members, expand
 
 GIB = 2 ** 30
@@ -156,7 +156,7 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
 
     Host: the full-sequence fp64 inputs and their rounded copy (``make_inputs``). Device (the
     host when the run is on the CPU): the reference's fp64 inputs, results and one score block,
-    and the CP run's shard, ring buffers, gradients and, with ``tile_scores`` (the torch tiles,
+    and the CP run's shard, ring buffers, the forward's buffers of later results, gradients and, with ``tile_scores`` (the torch tiles,
     which hold a tile's scores; cuDNN and FA4 never do), a tile's scores. A thd pack's tiles are
     its documents' own (``plan.ring_plan``), so its largest tile is its longest document's, not
     the pack's. A bias is ``[1, h, S, S]`` on every rank: quadratic in the sequence whatever the
@@ -174,11 +174,16 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
         device += (full + bias) * 8 * 2 + 4 * block    # fp64 inputs and results, the score block
     local = full // ranks
     device += local * (elem * 4 + acc * 2) + (full + bias) * elem + bias * (elem + acc)
+    members = a2a_members(case.comm, ranks, case.a2a_size)
+    ring = max(1, ranks // members)
+    o_local = sh.b * sh.s * sh.h * sh.d // ranks
+    # the forward's buffers of later results (at most 2 a step, PARTS in all) and, when they merge more
+    # than once, the fp32 accumulator (ring.ForwardState)
+    device += o_local * (min(PARTS, 2 * (ring - 1)) * elem + (acc if ring - 1 > PARTS else 0))
     if tile_scores or case.bias:    # bias tiles fall back to the torch tiles
         # the largest tile: step 0's 2c x 2c of the outer ring (every tile under no_mask), on the
         # heads a rank keeps after the inner a2a; a2a alone is a ring of one rank (c = s / 2)
-        members = a2a_members(case.comm, ranks, case.a2a_size)
-        chunk = max(1, max(case.docs, default=sh.s) // (2 * max(1, ranks // members)))   # of the longest document
+        chunk = max(1, max(case.docs, default=sh.s) // (2 * ring))   # of the longest document
         device += 3 * sh.b * max(1, sh.h // members) * (2 * chunk) ** 2 * acc   # its scores, probabilities, gradient
     return host, device
 
