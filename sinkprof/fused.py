@@ -4,8 +4,9 @@ Why: in eager torch a merge is many launches and the multiply by a per-row weigh
 ``d`` does not vectorise; on the H200 that made the post-merge fold cost 5% of a ring's forward
 and the merges a large share of every step's host time. Each kernel here is one launch and one
 pass: the merge of a ring's later results (``merge_parts_``) reads each of them once, so merging n
-parts in one pass moves ~2(n+1) bytes per element of o where n merges of two would move ~10n. ``sink.py`` keeps the formulas and the torch versions (CPU, fp64, the reference for the
-tests), and calls these only where ``usable`` says so: CUDA tensors, fp32 accumulation,
+parts in one pass moves ~2(n+1) bytes per element of o where n merges of two would move ~10n.
+``sink.py`` keeps the formulas and the torch versions (CPU, fp64, the reference for the tests),
+and calls these only where ``usable`` says so: CUDA tensors, fp32 accumulation,
 ``d <= 256`` contiguous, Triton importable, and ``SINKPROF_FUSED`` not set to ``0``. This module
 is imported on the first CUDA tensor only, so CPU runs never import Triton.
 

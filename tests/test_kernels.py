@@ -177,3 +177,24 @@ def test_the_fa4_rows_backward_takes_block_aligned_whole_tiles_only():
     no_mask = tiles(320, Band())
     assert fa4_rows.unqualified(no_mask, 640, 80) is None     # every tile is all the rows
     assert {(t.q_rows.start, t.q_rows.stop) for t in no_mask} == {(0, 640)}
+
+
+def test_fa4_varlen_index_tensors_are_made_once_per_group_and_only_the_latest_kept(monkeypatch):
+    """A group's cu_seqlens and seqused are made once (a warm ring is graph-capturable), hold where
+    each tile starts and how many rows it has, and packs that change every batch do not grow the
+    cache without bound."""
+    from sinkprof.kernels import fa4
+    monkeypatch.setattr(fa4, "INDEX_CACHE", 3)
+    kernel = fa4.FA4Tiles(0)            # no GPU needed to build the arguments (on q's device)
+    q = torch.zeros(1, 2, 40, 8, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 30, 8, dtype=torch.bfloat16)
+    rows, cols = (slice(0, 10), slice(16, 40)), (slice(0, 10), slice(12, 30))
+    args = kernel._varlen_args(q, k, rows, cols, Band())
+    assert args["cu_seqlens_q"].tolist() == [0, 16, 40] and args["seqused_q"].tolist() == [10, 24]
+    assert args["cu_seqlens_k"].tolist() == [0, 12, 30] and args["seqused_k"].tolist() == [10, 18]
+    assert (args["max_seqlen_q"], args["max_seqlen_k"], args["causal"]) == (24, 18, False)
+    assert kernel._varlen_args(q, k, rows, cols, Band())["cu_seqlens_q"] is args["cu_seqlens_q"]   # made once
+    for n in range(1, 4):                                   # three other groups: the first one is dropped
+        kernel._varlen_args(q, k, (slice(0, n), slice(16, 40)), (slice(0, n), slice(12, 30)), Band())
+    assert len(kernel._varlen) == 3
+    assert kernel._varlen_args(q, k, rows, cols, Band())["cu_seqlens_q"] is not args["cu_seqlens_q"]

@@ -163,10 +163,13 @@ def add_rows_(dst: torch.Tensor, src: torch.Tensor, rows: tuple[slice, ...], *, 
             dst[:, :, r] += src[:, :, r]
 
 
-@functools.lru_cache(maxsize=1024)
+INDEX_CACHE = 1024   # groups whose device index tensors a process keeps (the latest ones)
+
+
+@functools.lru_cache(maxsize=INDEX_CACHE)
 def _row_index(ranges: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
     """The sequence positions of ``ranges`` as an int32 tensor, made once (a warm ring stays
-    graph-capturable). The cache keeps the 1024 latest groups: a CUDA graph captured over a pack
+    graph-capturable). The cache keeps the ``INDEX_CACHE`` latest groups: a CUDA graph captured over a pack
     replays safely while fewer other groups than that run between its capture and its replays
     (packs that change every batch are not captured, and would otherwise grow the cache forever)."""
     return torch.cat([torch.arange(lo, hi, dtype=torch.int32) for lo, hi in ranges]).to(device)

@@ -35,14 +35,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from collections import OrderedDict
 from typing import Optional
 
 import torch
 
 from ..options import Band, SinkStrategy
 from . import fa4_rows
-from .base import (IO_DTYPES, BackwardState, TileByTile, TileGrads, TileRowsBackward, backward_trimmed, deliver,
-                   empty_bshd, forward_trimmed, optional_module, trim_band)
+from .base import (INDEX_CACHE, IO_DTYPES, BackwardState, TileByTile, TileGrads, TileRowsBackward, backward_trimmed,
+                   deliver, empty_bshd, forward_trimmed, optional_module, trim_band)
 from .torch_tiles import TorchTiles
 
 log = logging.getLogger("sinkprof.fa4")
@@ -119,7 +120,7 @@ class FA4Tiles(TileByTile):
         else:
             self._bias_tiles = self._torch
         self._refused: dict = {}
-        self._varlen: dict = {}     # the index tensors of each group, made once (a warm ring is graph-safe)
+        self._varlen: OrderedDict = OrderedDict()   # each group's index tensors, made once: a warm ring is graph-safe
 
     def refused(self) -> dict:
         """What FA4 did not run, with the reason: what ``check`` notes and ``doctor`` reports."""
@@ -221,7 +222,9 @@ class FA4Tiles(TileByTile):
             return None
         causal, left, right = windows.pop()
         key = (tuple((r.start, r.stop) for r in rows), tuple((c.start, c.stop) for c in cols), q.shape[2], k.shape[2])
-        if key not in self._varlen:
+        if key in self._varlen:
+            self._varlen.move_to_end(key)
+        else:
             def index(parts, total):
                 starts = [p.start for p in parts] + [total]
                 return (torch.tensor(starts, dtype=torch.int32, device=q.device),
@@ -230,6 +233,8 @@ class FA4Tiles(TileByTile):
             self._varlen[key] = dict(cu_seqlens_q=cu_q, seqused_q=used_q, cu_seqlens_k=cu_k, seqused_k=used_k,
                                      max_seqlen_q=max(r.stop - r.start for r in rows),
                                      max_seqlen_k=max(c.stop - c.start for c in cols))
+            if len(self._varlen) > INDEX_CACHE:   # packs that change every batch would grow it forever
+                self._varlen.popitem(last=False)
         return dict(self._varlen[key], causal=causal, window_size_left=left, window_size_right=right)
 
     def forward_group(self, q, k, v, rows, cols, band, sink, scale, *, out=None, lse=None):
