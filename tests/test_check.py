@@ -51,6 +51,16 @@ def test_cp4_all_softmax_types_both_strategies_and_contracts(cli):
     assert doc["cp"] == 4 and all(c["passed"] for c in doc["cases"])
 
 
+def test_a_ring_of_more_steps_than_result_buffers_passes(cli):
+    """10 ranks: 9 later tiles fill the forward's 8 buffers of later results, which then merge
+    through the fp32 accumulator before the last pass (plan.PARTS, ring.ForwardState)."""
+    res = cli("check", "--ranks", "10", "--seq-len", "40", "--softmax", "learnable", "--mask", "all", "--dtype",
+              "fp64", "--sink-strategy", "all", "--format", "json")
+    doc = _json(res)
+    assert res.returncode == 0, res.stdout
+    assert doc["cp"] == 10 and len(doc["cases"]) == 4 and all(c["passed"] for c in doc["cases"])
+
+
 @pytest.mark.parametrize("fault,broken", [
     ("sink-every-tile", "d_sink"), ("no-sink-reduce", "d_sink"), ("aliased-reference", "reference"),
     ("vanilla-fallback", "out")])

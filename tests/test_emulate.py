@@ -1,4 +1,6 @@
 """The fp64 replay of the ring schedule: exact with the sink once per row, wrong on every tile."""
+import itertools
+
 import pytest
 import torch
 
@@ -74,6 +76,19 @@ def test_emulate_rows_for_correct_strategies_are_ok():
     rows = emulate([2, 3], ["causal"], [SinkStrategy.STEP0, SinkStrategy.POST_MERGE], SHAPE, seed=0)
     assert all(r.passed and r.ok for r in rows)
     assert all(abs(r.dsink_ratio_min - 1) < 1e-9 and abs(r.dsink_ratio_max - 1) < 1e-9 for r in rows)
+
+
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+def test_a_pack_with_more_later_tiles_than_buffers_is_exact(mask):
+    """cp = PARTS + 2 on a thd pack: every step's documents share a buffer, and the buffers merge
+    through the accumulator before the last pass."""
+    cp = PARTS + 2
+    docs = (2 * cp, 6 * cp, 4 * cp)
+    spec = make_spec("learnable", mask, None, "thd", cu_seqlens=[0, *itertools.accumulate(docs)])
+    inputs = make_inputs(Shape(b=1, s=sum(docs), h=2, g=1, d=8), spec, seed=3)
+    ref = reference(inputs, spec)
+    for strategy in (SinkStrategy.STEP0, SinkStrategy.POST_MERGE):
+        assert _max_err(emulate_ring(inputs, spec, cp, strategy).result, ref) <= 1e-12
 
 
 @pytest.mark.parametrize("mask", ["causal", "no_mask"])
