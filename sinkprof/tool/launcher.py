@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -173,10 +173,14 @@ def _spawned(rank: int, world: int, store: str, parent: int, job, args, device, 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", **{STORE_ENV: store, PARENT_ENV: str(parent)},
                       GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
-    code = _rank_main(job, args, device, backend, timeout, run_timeout, config)
-    # Leave without interpreter teardown: the rank's results are written and flushed, and a
-    # process group still referenced at teardown can abort the process from a C++ destructor
-    # (seen once as "terminate called without an active exception" after every case passed).
+    _leave(_rank_main(job, args, device, backend, timeout, run_timeout, config))
+
+
+def _leave(code) -> NoReturn:
+    """End a rank's process without interpreter teardown: its results are written and flushed, and
+    torch's distributed objects destroyed at teardown can abort the process from a C++ destructor
+    ("terminate called without an active exception", exit -6, after every case passed: seen on
+    self-launched ranks and under torchrun)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(code or 0))
@@ -231,11 +235,12 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
     ``config`` (option -> value, JSON-able) is compared across ranks before the job starts
     (``agree``): ranks started by hand or by a launcher with different options stop with exit 2.
 
-    Under torchrun this process is one rank. Otherwise ``nproc`` processes are spawned; when one
-    fails the others are stopped, and the whole run is bounded by ``run_timeout`` plus a grace.
+    Under torchrun this process is one rank, and it ends here (``_leave``) once its results are
+    written. Otherwise ``nproc`` processes are spawned; when one fails the others are stopped, and
+    the whole run is bounded by ``run_timeout`` plus a grace.
     """
     if under_torchrun():
-        return _rank_main(job, args, device, backend, timeout, run_timeout, config)
+        _leave(_rank_main(job, args, device, backend, timeout, run_timeout, config))
     ctx = mp.get_context("spawn")
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     procs: list = []
