@@ -238,11 +238,10 @@ def _forward_tiles(step: Step, *, k, v, state: ForwardState, sink, bias, opts: C
     for group in step.groups:
         first = step.tiles[group[0]]
         out, lse = (state.out, state.lse) if first.sink else (state.parts_o[first.part], state.parts_lse[first.part])
-        a = tile_sink(first, sink, strategy)
         if len(group) > 1 and bias is None:
             tiles = [step.tiles[t] for t in group]
             opts.kernel.forward_group(q, k, v, tuple(t.q_rows for t in tiles), tuple(t.kv_rows for t in tiles),
-                                      first.band, a, opts.scale, out=out, lse=lse)
+                                      first.band, tile_sink(first, sink, strategy), opts.scale, out=out, lse=lse)
             continue
         for t in group:
             tile = step.tiles[t]
