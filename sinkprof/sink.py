@@ -31,7 +31,7 @@ def _as_rows(sink: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return sink.reshape(1, -1, 1).to(dtype)
 
 
-def _fused(acc_dtype: torch.dtype, *tensors: torch.Tensor):
+def fused_for(acc_dtype: torch.dtype, *tensors: torch.Tensor):
     """The one-pass CUDA kernels of ``fused.py`` when they can take these tensors, else None."""
     if not tensors[0].is_cuda:
         return None
@@ -54,7 +54,7 @@ def merge_parts_(o: torch.Tensor, lse: torch.Tensor, parts_o: torch.Tensor, part
     this is one fused kernel; the torch form below is the reference and the CPU path.
     """
     dst = o if into is None else into
-    fused = _fused(lse.dtype, o, dst, *([parts_o] if len(parts_o) else []))
+    fused = fused_for(lse.dtype, o, dst, *([parts_o] if len(parts_o) else []))
     if fused is not None:
         fused.merge_parts_(o, lse, parts_o, parts_lse, into=into, sink=sink)
         return
@@ -94,7 +94,7 @@ def sink_grad(o: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
     query heads, so under GQA each sink still sums only its own head's rows.
     """
     dtype = lse.dtype
-    fused = _fused(dtype, o, grad_out)
+    fused = fused_for(dtype, o, grad_out)
     if fused is not None:  # one pass for the row terms, one sum
         return fused.sink_grad_rows(o, grad_out, lse, sink).sum(dim=(0, 2)).reshape(1, -1, 1, 1).to(sink.dtype)
     weight = torch.exp(_as_rows(sink, dtype) - lse)

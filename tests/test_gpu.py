@@ -257,7 +257,7 @@ def test_fused_sink_kernels_match_the_torch_formulas_in_fp64(d, layout, n):
         parts_lse[i, ..., 20 + 40 * i:50 + 40 * i] = float("-inf")
         parts_o[i, ..., 20 + 40 * i:50 + 40 * i, :] = float("nan")
     sink = (torch.randn(1, h, 1, 1, generator=gen) * 5).cuda()
-    assert sk._fused(torch.float32, o_acc, parts_o) is not None   # this test runs the fused kernels
+    assert sk.fused_for(torch.float32, o_acc, parts_o) is not None   # this test runs the fused kernels
 
     def cpu64(x):
         return x.detach().to("cpu", torch.float64)
@@ -326,7 +326,7 @@ def test_fused_merge_into_another_buffer_and_with_the_fold_matches_fp64(first_dt
         return x.detach().to("cpu", torch.float64)
     want, want_lse = cpu64(first), cpu64(lse_first)
     sk.merge_parts_(want, want_lse, cpu64(parts_o), cpu64(parts_lse), sink=None if sink is None else cpu64(sink))
-    assert sk._fused(torch.float32, first, parts_o) is not None
+    assert sk.fused_for(torch.float32, first, parts_o) is not None
     sk.merge_parts_(first, lse_first, parts_o, parts_lse, into=into, sink=sink)
     got = first if into is None else into
     tol = 2e-2 if got.dtype == torch.bfloat16 else 1e-5

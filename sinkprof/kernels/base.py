@@ -21,6 +21,7 @@ from typing import Optional, Protocol
 import torch
 
 from ..options import Band, SinkStrategy, accum_dtype
+from ..sink import fused_for
 
 
 @dataclass
@@ -151,11 +152,10 @@ def add_rows_(dst: torch.Tensor, src: torch.Tensor, rows: tuple[slice, ...], *, 
     (``[b, h, s, d]`` views; a group's tiles, a pack's documents): one fused pass on CUDA (a launch
     per document made a pack's backward pay ~10 us per document per step), a slice at a time
     elsewhere."""
-    if dst.is_cuda and len(rows) > 1:
-        from .. import fused
-        if fused.usable(dst.dtype, dst, src):
-            fused.add_rows_(dst, src, _row_index(tuple((r.start, r.stop) for r in rows), dst.device), write=write)
-            return
+    fused = fused_for(dst.dtype, dst, src) if len(rows) > 1 else None
+    if fused is not None:
+        fused.add_rows_(dst, src, _row_index(tuple((r.start, r.stop) for r in rows), dst.device), write=write)
+        return
     for r in rows:
         if write:
             dst[:, :, r].copy_(src[:, :, r])
