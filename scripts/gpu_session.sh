@@ -6,7 +6,7 @@
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
-# session4 rings4
+# session4 rings4 verify5 cudnn5
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -134,4 +134,14 @@ if [[ $what == *" rings4 "* ]]; then   # <= 460 s: the pack (with its kernels), 
       --pack-docs 2048-16384 --ring-backends fa4 --profile-step --out "$OUT/pack_bench.json"
   run ring_bench 320 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4,8;gpt-oss:2,4,8" \
       --ring-backends fa4 --out "$OUT/ring_bench.json"
+fi
+if [[ $what == *" verify5 "* ]]; then   # <= 300 s: the GPU code changed after the fourth session's runs, and where
+  # the h16 d128 causal cp 2 ring's time goes (the worst of issue 11's table)
+  run gpu_tests_verify 200 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "fused or pack or fa4_rows"
+  run ring_profile 100 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2" --masks causal \
+      --ring-backends fa4,cudnn --profile-step --out "$OUT/ring_profile.json"
+fi
+if [[ $what == *" cudnn5 "* ]]; then   # <= 540 s: issue 11's table on cudnn beside fa4 (the one-pass merge on both)
+  run ring_bench_cudnn 540 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4,8;gpt-oss:2,4,8" \
+      --ring-backends fa4,cudnn --out "$OUT/ring_bench_cudnn.json"
 fi
