@@ -192,7 +192,7 @@ class RankRing:
     fwd: Callable
     bwd: Callable
     out: torch.Tensor     # [b, h, 2c, d]
-    dq: torch.Tensor      # [b, h, 2c, d] fp32
+    dq: torch.Tensor      # [b, h, 2c, d], q's dtype
     dks: list             # every rank's dK, [b, g, 2c, d] fp32
     dvs: list
 
@@ -208,7 +208,7 @@ def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, 
     # buffers laid out as the ring lays them out (the user's bshd storage, seen as bhsd)
     lse = torch.empty(b, h, qh.shape[2], dtype=torch.float32, device=qh.device)
     out = torch.empty_like(qh)
-    dq = torch.empty_like(qh, dtype=torch.float32)
+    dq = torch.empty_like(qh)
     dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
     dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
     fwd_state = ForwardState.make(plan, qh, out, lse)

@@ -72,7 +72,7 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
         outs.append(out)
         lses.append(lse)
 
-    dqs = [torch.full(x.shape, float("nan"), dtype=acc, device=dev) for x in qs]   # step 0 writes every row
+    dqs = [torch.full_like(x, float("nan")) for x in qs]   # in q's dtype, as the ring returns it
     dks = [torch.zeros(x.shape, dtype=acc, device=dev) for x in ks]
     dvs = [torch.zeros(x.shape, dtype=acc, device=dev) for x in vs]
     parts = []

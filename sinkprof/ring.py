@@ -260,7 +260,7 @@ def _forward_tiles(step: Step, *, k, v, state: ForwardState, sink, bias, opts: C
 def run_backward(plan: RankPlan, kv: KVSource, dkv: DKVSink, *, state: BackwardState,
                  sink: Optional[torch.Tensor], bias: Optional[BiasTiles], opts: CPOptions) -> Optional[torch.Tensor]:
     """Recompute every tile with the final ``lse`` and ``out``; return this rank's rows' sink gradient.
-    The kernel keeps the rows' dq (``TileKernel.rows_backward``): ``state.dq_acc`` holds it at the end."""
+    The kernel keeps the rows' dq (``TileKernel.rows_backward``): ``state.dq`` holds it at the end."""
     strategy = faults.active.sink_strategy(opts.sink_strategy)
     from_tiles = sink is not None and strategy is not SinkStrategy.POST_MERGE
     d_sink = torch.zeros_like(sink) if from_tiles else None
@@ -575,7 +575,7 @@ class P2PAttention(torch.autograd.Function):
         acc = accum_dtype(q.dtype)
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
-        dq = torch.empty(q.shape, dtype=acc, device=q.device)    # step 0 writes every row first
+        dq = torch.empty_like(q)    # the rows backward writes it once, at the end
         kv, dkv = kv_movers(schedule, comm, k, v, fmt, "bwd", acc)
         d_sink = run_backward(plan, kv, dkv,
                               state=BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), fmt.to_bhsd(grad_out), lse,
@@ -587,7 +587,7 @@ class P2PAttention(torch.autograd.Function):
             d_offset = d_sink if d_sink is not None else torch.zeros_like(offset)
         if bias is not None:
             d_bias = bias_tiles.grad.to(bias.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_offset, d_bias, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), d_offset, d_bias, None, None
 
 
 def _bias_tiles(bias, plan: RankPlan, cp: int, acc) -> Optional[BiasTiles]:

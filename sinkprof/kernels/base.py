@@ -69,7 +69,8 @@ class BackwardState:
     out: torch.Tensor
     grad_out: torch.Tensor
     lse: torch.Tensor         # final, sink-inclusive
-    dq_acc: torch.Tensor      # accumulator dtype: holds the rows' dq once ``RowsBackward.finish`` returns
+    dq: torch.Tensor          # holds the rows' dq once ``RowsBackward.finish`` returns: in q's dtype (the
+                              # rows backward accumulates apart and converts once) or the accumulator dtype
 
 
 class RowsBackward(Protocol):
@@ -83,20 +84,23 @@ class RowsBackward(Protocol):
         """A group of tiles at once (``TileKernel.backward_group``): dK, dV valid on ``cols``."""
 
     def finish(self) -> None:
-        """Every tile is in: ``dq_acc`` holds the rows' dq."""
+        """Every tile is in: ``state.dq`` holds the rows' dq."""
 
 
 class TileRowsBackward:
-    """A rank's rows tile after tile: each tile's dq written (first tile) or added into ``dq_acc``."""
+    """A rank's rows tile after tile: each tile's dq written (first tile) or added into an
+    accumulator (``state.dq`` itself when it has the accumulator dtype)."""
 
     def __init__(self, kernel: TileKernel, state: BackwardState, scale: float):
         self.kernel, self.state, self.scale = kernel, state, scale
+        acc = accum_dtype(state.q.dtype)
+        self.acc = state.dq if state.dq.dtype == acc else torch.empty_like(state.dq, dtype=acc)
 
     def tile(self, rows: slice, k, v, band: Band, sink, bias, *, first: bool) -> TileGrads:
         s = self.state
         grads = self.kernel.backward(s.q[:, :, rows], k, v, s.out[:, :, rows], s.grad_out[:, :, rows],
                                      s.lse[:, :, rows], band, sink, bias, self.scale)
-        dq = s.dq_acc[:, :, rows]
+        dq = self.acc[:, :, rows]
         if first:
             dq.copy_(grads.dq)
         else:
@@ -106,11 +110,12 @@ class TileRowsBackward:
     def group(self, rows, k, v, cols, band: Band, sink, *, first: bool) -> TileGrads:
         s = self.state
         grads = self.kernel.backward_group(s.q, k, v, s.out, s.grad_out, s.lse, rows, cols, band, sink, self.scale)
-        add_rows_(s.dq_acc, grads.dq, rows, write=first)
+        add_rows_(self.acc, grads.dq, rows, write=first)
         return grads
 
     def finish(self) -> None:
-        """Nothing is left to do: each tile's dq went into ``dq_acc`` as it came."""
+        if self.acc is not self.state.dq:
+            self.state.dq.copy_(self.acc)
 
 
 class TileByTile:

@@ -200,15 +200,20 @@ class FA4RowsBackward:
                                 fa4.AuxData(None, None), None, None, stream, options="--enable-tvm-ffi")
 
     def finish(self) -> None:
+        """FA4's postprocess converts the accumulator straight into ``state.dq`` when that is a
+        contiguous ``[b, n, h, d]`` tensor of q's dtype (the ring's dq in the bshd layout), else
+        into a buffer copied there."""
         fa4, cfg = self.fa4, self.cfg
-        dq = torch.empty_like(self.q)
+        want = _bshd(self.state.dq)
+        dq = want if want.dtype == self.dtype and want.is_contiguous() else torch.empty_like(self.q)
         threads = 128 if cfg.dQ_single_wg else cfg.num_wg * 128
         with self._quiet():
             fa4._bwd_postprocess_convert(self.dq_accum, dq, self.scale, None, None, self.arch, self.cute_dtype,
                                          self.q.shape[-1], self.block, threads, cfg.AtomLayoutMdQ, cfg.dQ_swapAB,
                                          use_2cta_instrs=False, cluster_size=1, hdim_multiple_of=self.hdim_multiple_of,
                                          accum_order=None, fake_mode=False)
-        self.state.dq_acc.copy_(_bshd(dq))
+        if dq is not want:
+            want.copy_(dq)
 
 
 _kernels = None

@@ -345,7 +345,7 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
         bias = BiasTiles(x.bias, plan, positions[rank], positions, acc) if x.bias is not None else None
         lse = torch.empty(q.shape[1 - sd], case.shape.h, q.shape[sd], dtype=acc, device=device)
         out = torch.empty_like(q)
-        dq = torch.empty(q.shape, dtype=acc, device=device)
+        dq = torch.empty_like(q)
         dkv = LocalDKV(torch.zeros(ks[0].shape, dtype=acc, device=device),
                         torch.zeros(vs[0].shape, dtype=acc, device=device))
         rows: list = []
