@@ -16,6 +16,10 @@ cp in the list and each mask, every backend runs the schedule of ranks 0, cp/2 a
 the other ranks from memory, no communication) for vanilla, learnable ``step0`` and learnable
 ``post-merge``; the slowest is reported, and its rate against FA4's monolithic rate on the whole
 sequence (vanilla against vanilla, learnable against FA4 with the sink) is the ring efficiency.
+``--ring-backends fa4+comm`` (any backend, ``+comm``) times instead what ``cp_attention`` runs on a
+rank: ``P2PAttention``'s forward and backward (its default K/V schedule, its K/V and dK/dV
+buffers, exchanges and passes) over a loopback communicator whose messages are device copies on a
+stream of their own, so only the link is missing.
 
 Packs (issue 15's target: the slowest rank's ring on a 64k pack of documents of 2k-16k tokens at
 cp = 8 at >= 0.90x FA4's varlen rate on the same pack): document lengths drawn from a seeded
@@ -32,6 +36,8 @@ runs of one kernel differed by up to 10% on the H200 of this workplace).
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import itertools
 import json
 import random
@@ -50,7 +56,8 @@ from sinkprof import fused  # noqa: E402
 from sinkprof.kernels import get_kernel, unavailable_reason  # noqa: E402
 from sinkprof.options import Band, CPOptions, KVSchedule, SinkStrategy, make_spec  # noqa: E402
 from sinkprof.plan import shard  # noqa: E402
-from sinkprof.ring import BackwardState, ForwardState, LocalDKV, LocalKV, run_backward, run_forward  # noqa: E402
+from sinkprof.ring import (BackwardState, ForwardState, LocalDKV, LocalKV, P2PAttention, run_backward,  # noqa: E402
+                           run_forward)
 from sinkprof.schedule import CommSchedule  # noqa: E402
 from sinkprof.sink import merge_parts_, sink_grad  # noqa: E402
 
@@ -191,8 +198,8 @@ class RankRing:
 
     fwd: Callable
     bwd: Callable
-    out: torch.Tensor     # [b, h, 2c, d]
-    dq: torch.Tensor      # [b, h, 2c, d], q's dtype
+    out: Optional[torch.Tensor]     # [b, h, 2c, d] (None: the ring's own buffers)
+    dq: Optional[torch.Tensor]      # [b, h, 2c, d], q's dtype
     dks: list             # every rank's dK, [b, g, 2c, d] fp32
     dvs: list
 
@@ -225,6 +232,74 @@ def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, 
     return RankRing(fwd, bwd, out, dq, dks, dvs)
 
 
+class _Arrived:
+    """A loopback message: done once the compute stream waits for the copy stream (on the CPU, at once)."""
+
+    def __init__(self, stream: Optional[torch.cuda.Stream]):
+        self.stream = stream
+
+    def wait(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+
+class Loopback:
+    """The communicator of one rank timed alone: each message is a device copy on a stream of its
+    own (into each received buffer from the sent one of the same size, else from a buffer kept
+    for it), so a step's messages read and write this GPU's memory as much as a ring's sends and
+    receives do, beside the compute, and the ring's own code (``P2PAttention``, its K/V and dK/dV
+    movers) runs as under NCCL. No link is modelled: a message takes the time of its copy."""
+
+    def __init__(self, rank: int, size: int, device):
+        self.rank, self.size = rank, size
+        self.stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
+        self.sources: dict = {}
+        self.received: dict = collections.Counter()   # (phase, kind) -> messages received
+
+    def exchange(self, send, recv, kind: str, phase: str, step: int) -> _Arrived:
+        return self.post([(send, (self.rank + 1) % self.size)], [(recv, (self.rank - 1) % self.size)],
+                         kind, phase, step)
+
+    def post(self, sends: list, recvs: list, kind: str, phase: str, step: int) -> _Arrived:
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            for n, (t, _) in enumerate(recvs):
+                self.received[(phase, kind)] += 1
+                src = sends[n][0] if n < len(sends) and sends[n][0].shape == t.shape else None
+                if src is None:
+                    key = (tuple(t.shape), t.dtype)
+                    src = self.sources.setdefault(key, torch.zeros(t.shape, dtype=t.dtype, device=t.device))
+                t.copy_(src)
+        return _Arrived(self.stream)
+
+
+class _Ctx:
+    """What ``P2PAttention.forward`` keeps for its backward, outside autograd."""
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+
+def _comm_ring_fns(kernel, cp: int, rank: int, q, k, v, do, sink, softmax, strategy, mask, d) -> RankRing:
+    """One rank's forward and backward through the ring's own code, ``P2PAttention`` with the
+    default K/V schedule, over a ``Loopback`` communicator: what ``cp_attention`` runs on a rank,
+    but for the link. ``q``, ``k``, ``v``, ``do``: this rank's ``[b, 2c, h|g, d]`` shards."""
+    opts = CPOptions(make_spec(softmax, mask, None, "bshd"), d ** -0.5, kernel, strategy)
+    comm = Loopback(rank, cp, q.device)
+    offset = sink if softmax == "learnable" else None
+    ctx = _Ctx()
+
+    def fwd():
+        P2PAttention.forward(ctx, q, k, v, offset, None, opts, comm)
+
+    def bwd():
+        P2PAttention.backward(ctx, do)
+    ring = RankRing(fwd, bwd, None, None, [], [])
+    ring.comm = comm
+    return ring
+
+
 def rank_flops(plan, b: int, h: int, d: int) -> int:
     """Forward FLOPs of one rank's tiles: 4 b h d per visible (query, key) pair."""
     return sum(4 * b * h * d * t.band.count(t.q_rows.stop - t.q_rows.start, t.kv_rows.stop - t.kv_rows.start)
@@ -244,15 +319,16 @@ def _timed(fns: dict, calls: int = 2, rounds: int = 15) -> tuple[dict, str]:
 
 def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sink, mask: str, d: int,
                  profile: Optional[str] = None) -> list:
-    """Per name (a backend, or ``fa4-per-tile``: FA4 with its backward tile by tile) and variant of
-    ``RUNS``: the slowest (forward + backward) of ``ranks``, each running its whole schedule, the
-    variants interleaved. ``shards(rank)``: that rank's (q, dO) as ``[b, h, 2c, d]`` views; ``ks``,
+    """Per name (a backend; ``fa4-per-tile``: FA4 with its backward tile by tile; a backend and
+    ``+comm``: the ring's own code over a ``Loopback`` communicator) and variant of ``RUNS``: the
+    slowest (forward + backward) of ``ranks``, each running its whole schedule, the variants
+    interleaved. ``shards(rank)``: that rank's (q, dO) as ``[b, h, 2c, d]`` views; ``ks``,
     ``vs``: every rank's K/V the same way. ``profile``: print the kernels of rank cp-1's learnable
     step0 ring under this title."""
     cp = schedule.cp
     rows = []
     for name in names:
-        kernel = get_kernel(name.removesuffix("-per-tile"), ks[0].device)
+        kernel = get_kernel(name.removesuffix("-per-tile").removesuffix("+comm"), ks[0].device)
         slowest = {}
         for rank in ranks:
             plan = schedule.plans[rank]
@@ -261,8 +337,12 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
             fns, host = {}, {}
             for softmax, strategy in RUNS:
                 variant = f"{softmax} {strategy.value}"
-                ring = _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d,
-                                 rows_path=not name.endswith("-per-tile"))
+                if name.endswith("+comm"):
+                    ring = _comm_ring_fns(kernel, cp, rank, *(x.transpose(1, 2) for x in (qh, ks[rank], vs[rank], dol)),
+                                          sink, softmax, strategy, mask, d)
+                else:
+                    ring = _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d,
+                                     rows_path=not name.endswith("-per-tile"))
                 ring.fwd(), ring.bwd()
                 host[variant] = (host_us(ring.fwd) + host_us(ring.bwd)) / (2 * len(plan.steps))
                 fns[variant + " fwd"], fns[variant + " bwd"] = ring.fwd, ring.bwd
@@ -424,6 +504,7 @@ def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names
     for name, r in mono_ms.items():   # in the log before the ring runs, should the step be stopped
         rate = p.flops * (BWD_FLOPS if name.endswith("bwd") else 1) / r["ms"] / 1e9
         print(f"{name}: {r['ms']:.3f} ms, {rate:.1f} TFLOP/s ({timing})")
+    names = [n for n in names if not n.endswith("+comm")]   # the loopback ring runs sequences, not packs
     rows = slowest_rank(names, p.schedule, sorted({0, cp // 2, cp - 1}), p.shards, p.ks, p.vs, p.sink, PACK_MASK,
                         d, profile=f"pack cp={cp}" if profile else None)
     return {"cp": cp, "shape": dict(t=sum(docs), h=h, g=g, d=d), "docs": list(docs), "mask": PACK_MASK,
@@ -485,8 +566,9 @@ def parse_args(argv=None):
     ap.add_argument("--rings", default="h16-d128:2,4,8;gpt-oss:2,4,8", help=f"configs from {sorted(CONFIGS)}")
     ap.add_argument("--masks", default="causal,no_mask")
     ap.add_argument("--ring-backends", default=None,
-                    help="backends of the ring and pack benchmarks, and fa4-per-tile (default: every backend "
-                         "here, and fa4-per-tile)")
+                    help="backends of the ring and pack benchmarks, fa4-per-tile, and BACKEND+comm: the ring's "
+                         "own code over a loopback communicator, rings only (default: every backend here, and "
+                         "fa4-per-tile)")
     ap.add_argument("--packs", default="", help="pack benchmarks, config:cp,cp;... (e.g. gpt-oss:8): a pack of "
                     "--pack-len tokens in documents of --pack-docs lengths, causal (default: none)")
     ap.add_argument("--pack-len", type=int, default=65536, help="tokens in a pack")

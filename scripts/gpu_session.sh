@@ -6,7 +6,7 @@
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
-# session4 rings4 verify5 cudnn5
+# session4 rings4 verify5 cudnn5 passes5 rings5
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -144,4 +144,20 @@ fi
 if [[ $what == *" cudnn5 "* ]]; then   # <= 540 s: issue 11's table on cudnn, against FA4 monolithic in the same run
   run ring_bench_cudnn 540 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4,8;gpt-oss:2,4,8" \
       --ring-backends cudnn --out "$OUT/ring_bench_cudnn.json"
+fi
+if [[ $what == *" passes5 "* ]]; then   # <= 380 s: dK/dV added into the arriving sum, dq written once in q's dtype
+  run gpu_tests_passes 280 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py \
+      -k "(ring_schedule and fa4) or cuda_graph or fa4_rows or pack"
+  run check_fa4_cp2_passes 100 $SP check --device cuda --backend fa4 --ranks 2 --comm p2p --softmax all --mask all \
+      --kv-schedule ring,direct --dtype bf16 --sink-strategy all --batch 2 --seq-len 2048 --heads 8 --kv-heads 4 \
+      --head-dim 64 --format json --output "$OUT/check_fa4_cp2_passes.json"
+fi
+if [[ $what == *" rings5 "* ]]; then   # <= 480 s: the ring's own code (P2PAttention over a loopback communicator)
+  # beside the bare schedule, then the same loopback ring at 8d0fa19 (build/old: that commit's library, this script)
+  run ring_bench_comm 300 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,8;gpt-oss:8" \
+      --ring-backends fa4,fa4+comm --out "$OUT/ring_bench_comm.json"
+  if [[ -d build/old ]]; then
+    run ring_bench_comm_before 170 python3 build/old/scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,8;gpt-oss:8" \
+        --ring-backends fa4+comm --out "$OUT/ring_bench_comm_before.json"
+  fi
 fi

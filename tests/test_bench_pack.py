@@ -154,3 +154,29 @@ def test_the_fa4_varlen_call_passes_what_fa4s_interface_asserts(bk, monkeypatch)
         f()
         b()
     assert calls == ["fwd", "fwd", "bwd"] * 2
+
+
+@pytest.mark.parametrize("cp,mask", [(2, "causal"), (4, "causal"), (4, "no_mask")])
+def test_the_loopback_ring_runs_the_rings_own_exchanges(bk, cp, mask):
+    """``--ring-backends BACKEND+comm`` times ``P2PAttention`` over ``Loopback``: every message
+    the plan sends reaches it (the schedule auto picks: direct for causal, ring for no_mask)."""
+    from sinkprof.schedule import comm_bytes
+    from sinkprof.sink import sink_logits
+    from sinkprof.options import SinkStrategy, SoftmaxType
+    b, h, g, d, s = 1, 4, 2, 16, 32 * cp
+    gen = torch.Generator().manual_seed(cp)
+    q, do = (torch.randn(b, s, h, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, s, g, d, generator=gen) for _ in range(2))
+    sink = sink_logits(SoftmaxType.LEARNABLE, torch.randn(1, h, 1, 1, generator=gen) * 5, h, "cpu")
+    for rank in (0, cp - 1):
+        parts = [bk.shard(x, cp, rank, 1) for x in (q, k, v, do)]
+        ring = bk._comm_ring_fns(get_kernel("torch", "cpu"), cp, rank, *parts, sink, "learnable",
+                                 SinkStrategy.STEP0, mask, d)
+        ring.fwd()
+        ring.bwd()
+        planned = {}
+        for t in comm_bytes(s=s, b=b, h=h, g=g, d=d, dtype=q.dtype, cp=cp, mask=mask):
+            if t.rank == rank:
+                planned[(t.phase, t.kind)] = planned.get((t.phase, t.kind), 0) + t.messages_received
+        assert dict(ring.comm.received) == planned
+        assert planned[("bwd", "dkv")] >= cp - 1
