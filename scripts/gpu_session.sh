@@ -6,7 +6,7 @@
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
-# session4 rings4 verify5 cudnn5 passes5 rings5
+# session4 rings4 verify5 cudnn5 passes5 rings5 final5
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -160,4 +160,12 @@ if [[ $what == *" rings5 "* ]]; then   # <= 480 s: the ring's own code (P2PAtten
     run ring_bench_comm_before 170 python3 build/old/scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,8;gpt-oss:8" \
         --ring-backends fa4+comm --out "$OUT/ring_bench_comm_before.json"
   fi
+fi
+if [[ $what == *" final5 "* ]]; then   # <= 400 s: K beside V in the ring's buffers, a row range sent from the shard
+  run check_fa4_cp2_b1 90 $SP check --device cuda --backend fa4 --ranks 2 --comm p2p --softmax all --mask all \
+      --kv-schedule ring,direct --dtype bf16 --sink-strategy all --batch 1 --seq-len 4096 --heads 8 --kv-heads 4 \
+      --head-dim 64 --format json --output "$OUT/check_fa4_cp2_b1.json"
+  run gpu_tests_graphs 90 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "cuda_graph"
+  run ring_bench_final 200 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,8" \
+      --ring-backends fa4,fa4+comm --out "$OUT/ring_bench_final.json"
 fi

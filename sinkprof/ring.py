@@ -311,12 +311,24 @@ def _backward_tiles(step: Step, *, k, v, dkv: DKVSink, rows, sink, bias, strateg
                 bias.add_grad(step, t, grads.d_bias)
 
 
+def stacked(k: torch.Tensor, v: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    """K and V in one buffer, a row's K beside its V (the pair dim right after ``seq_dim``), so a
+    range of rows is one contiguous message whenever ``seq_dim`` is the outermost dim of a row
+    range (sbhd, thd, bshd with b = 1)."""
+    return torch.stack([k, v], dim=seq_dim + 1)
+
+
+def unstacked(kv: torch.Tensor, fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[b, h, s, d]`` views of K and V in a ``stacked`` buffer."""
+    return fmt.to_bhsd(kv.select(fmt.seq_dim + 1, 0)), fmt.to_bhsd(kv.select(fmt.seq_dim + 1, 1))
+
+
 class RingKV:
     """K/V of each step over the ring: step i+1's exchange is in flight while step i computes."""
 
     def __init__(self, comm, k: torch.Tensor, v: torch.Tensor, fmt, phase: str):
         self.comm, self.fmt, self.phase = comm, fmt, phase
-        self.bufs = [torch.stack([k, v])]
+        self.bufs = [stacked(k, v, fmt.seq_dim)]
         self.bufs.append(torch.empty_like(self.bufs[0]))
         self.pending = None
 
@@ -329,7 +341,7 @@ class RingKV:
         cur = self.bufs[i % 2]
         if i + 1 < self.comm.size:
             self.pending = self.comm.exchange(cur, self.bufs[(i + 1) % 2], "kv", self.phase, i)
-        return self.fmt.to_bhsd(cur[0]), self.fmt.to_bhsd(cur[1])
+        return unstacked(cur, self.fmt)
 
 
 class RingDKV:
@@ -390,6 +402,16 @@ def _pack(x: torch.Tensor, seq_dim: int, parts, out: torch.Tensor) -> torch.Tens
     return torch.cat([x.narrow(seq_dim, p.start, p.stop - p.start) for p in parts], dim=seq_dim, out=out)
 
 
+def _message(x: torch.Tensor, seq_dim: int, parts, out: torch.Tensor) -> torch.Tensor:
+    """The rows ``parts`` of ``x`` as one contiguous message: ``x``'s own memory when they are one
+    range that is contiguous there, else packed into ``out``."""
+    if len(parts) == 1:
+        rows = x.narrow(seq_dim, parts[0].start, parts[0].stop - parts[0].start)
+        if rows.is_contiguous():
+            return rows
+    return _pack(x, seq_dim, parts, out)
+
+
 class DirectKV:
     """K/V of each step straight from its owner, only the rows its tiles read (``Step.held``).
 
@@ -401,8 +423,8 @@ class DirectKV:
     def __init__(self, comm, k: torch.Tensor, v: torch.Tensor, fmt, phase: str, schedule: CommSchedule):
         self.comm, self.fmt, self.phase, self.schedule = comm, fmt, phase, schedule
         self.plan = schedule.plans[comm.rank]
-        self.own = torch.stack([k, v])
-        self.sd = fmt.seq_dim + 1
+        self.own = stacked(k, v, fmt.seq_dim)
+        self.sd = fmt.seq_dim
         largest = schedule.largest()
         self.bufs = [_flat(self.own, self.sd, largest) for _ in range(2)]
         self.out = _flat(self.own, self.sd, largest)
@@ -419,7 +441,7 @@ class DirectKV:
         if i + 1 < self.comm.size:
             self._post(i + 1)
         kv = self.own if i == 0 else _rows(self.bufs[i % 2], self.own, self.sd, step.held_rows)
-        return self.fmt.to_bhsd(kv[0]), self.fmt.to_bhsd(kv[1])
+        return unstacked(kv, self.fmt)
 
     def _post(self, i: int) -> None:
         me, cp, sd = self.comm.rank, self.comm.size, self.sd
@@ -429,7 +451,7 @@ class DirectKV:
         arriving = faults.active.sent_rows(self.phase, i, owner, me, held)
         sends, recvs = [], []
         if leaving:
-            sends.append((_pack(self.own, sd, leaving, _rows(self.out, self.own, sd, rows_in(leaving))), reader))
+            sends.append((_message(self.own, sd, leaving, _rows(self.out, self.own, sd, rows_in(leaving))), reader))
         if arriving:
             buf = _rows(self.bufs[i % 2], self.own, sd, rows_in(held))
             if arriving == held:

@@ -221,3 +221,31 @@ def test_gpt_oss_window_is_128_keys_and_its_layer_moves_50x_fewer_bytes_at_cp8_6
         computing = {s.index for s in plan.steps[1:] if s.tiles}
         assert fed == computing == returned
         assert len(computing) <= 2
+
+
+@pytest.mark.parametrize("fmt,shape", [("bshd", (1, 12, 3, 4)), ("bshd", (2, 12, 3, 4)), ("sbhd", (12, 2, 3, 4)),
+                                       ("thd", (12, 3, 4))])
+def test_a_range_of_stacked_rows_goes_out_from_the_shard_itself_when_it_is_contiguous(fmt, shape):
+    """A row's K sits beside its V, so one range of rows is one contiguous message (sent from the
+    shard, no copy) wherever the sequence dim is outermost for it; otherwise it is packed."""
+    from sinkprof.options import QKVFormat
+    from sinkprof.ring import _message, stacked, unstacked
+    f = QKVFormat.parse(fmt, "qkv_format")
+    k, v = torch.randn(shape), torch.randn(shape)
+    kv = stacked(k, v, f.seq_dim)
+    got_k, got_v = unstacked(kv, f)
+    assert torch.equal(got_k, f.to_bhsd(k)) and torch.equal(got_v, f.to_bhsd(v))
+    outs = [torch.empty(_rows_shape(kv, f.seq_dim, 5)) for _ in range(2)]
+    one = _message(kv, f.seq_dim, (slice(2, 7),), outs[0])
+    two = _message(kv, f.seq_dim, (slice(0, 2), slice(9, 12)), outs[1])
+    assert torch.equal(one, kv.narrow(f.seq_dim, 2, 5))
+    assert torch.equal(two, torch.cat([kv.narrow(f.seq_dim, 0, 2), kv.narrow(f.seq_dim, 9, 3)], f.seq_dim))
+    from_shard = one.data_ptr() == kv.narrow(f.seq_dim, 2, 5).data_ptr()
+    assert from_shard == (fmt != "bshd" or shape[0] == 1)
+    assert two.data_ptr() == outs[1].data_ptr() and one.is_contiguous()
+
+
+def _rows_shape(x: torch.Tensor, dim: int, rows: int) -> list:
+    shape = list(x.shape)
+    shape[dim] = rows
+    return shape
