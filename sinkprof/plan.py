@@ -80,6 +80,17 @@ class Step:
             runs.append([t])
         return tuple(tuple(run) for run in runs)
 
+    @functools.cached_property
+    def kv_cover(self) -> bool:
+        """The tiles' K/V rows are disjoint and cover every held row: each row's dK/dV comes from
+        exactly one tile, so a fresh accumulator is written by the tiles, not zeroed and added to."""
+        at = 0
+        for rows in sorted((t.kv_rows for t in self.tiles), key=lambda r: r.start):
+            if rows.start != at:
+                return False
+            at = rows.stop
+        return at == self.held_rows
+
     def source_rows(self, rows: slice) -> slice:
         """The rows of the owner's shard behind ``rows`` of this step's K/V buffer (a tile's
         ``kv_rows`` lies inside one held range)."""

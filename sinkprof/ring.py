@@ -36,9 +36,10 @@ class DKVSink(Protocol):
     def start(self, step: Step) -> None:
         """Step ``step`` begins (nothing here waits for a message)."""
 
-    def target(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accumulators for dK and dV of the step's ``kv_rank``, to add its tiles into. Asked for
-        once the step's first kernel call is issued, so it may wait for a message."""
+    def target(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Accumulators for dK and dV of the step's ``kv_rank``, and whether the step's tiles write
+        them (fresh, every row from one tile: ``Step.kv_cover``) rather than add into them. Asked
+        for once the step's first kernel call is issued, so it may wait for a message."""
 
     def finish(self, step: Step) -> None:
         """This step's tiles are in; pass the accumulators on."""
@@ -143,7 +144,7 @@ class LocalDKV:
         self.part = self.accs = tuple(x.new_zeros((*x.shape[:2], n, x.shape[3])) for x in (dk, dv))
 
     def target(self):
-        return self.accs
+        return (*self.accs, False)
 
     def finish(self, step: Step) -> None:
         """Rows held apart go home; the whole shard already is the owner's."""
@@ -291,9 +292,9 @@ def _backward_tiles(step: Step, *, k, v, dkv: DKVSink, rows, sink, bias, strateg
             cols = tuple(t.kv_rows for t in tiles)
             grads = rows.group(tuple(t.q_rows for t in tiles), k, v, cols, first.band, tile_sink(first, sink, strategy),
                                first=first.sink)
-            dk, dv = dkv.target()
-            add_rows_(dk, grads.dk, cols)
-            add_rows_(dv, grads.dv, cols)
+            dk, dv, write = dkv.target()
+            add_rows_(dk, grads.dk, cols, write=write)
+            add_rows_(dv, grads.dv, cols, write=write)
             if grads.d_sink is not None:
                 d_sink += grads.d_sink
             continue
@@ -302,9 +303,13 @@ def _backward_tiles(step: Step, *, k, v, dkv: DKVSink, rows, sink, bias, strateg
             cols = tile.kv_rows
             grads = rows.tile(tile.q_rows, k[:, :, cols], v[:, :, cols], tile.band, tile_sink(tile, sink, strategy),
                               bias.tile(step, t) if bias else None, first=tile.sink)
-            dk, dv = dkv.target()
-            dk[:, :, cols] += grads.dk
-            dv[:, :, cols] += grads.dv
+            dk, dv, write = dkv.target()
+            if write:
+                dk[:, :, cols].copy_(grads.dk)
+                dv[:, :, cols].copy_(grads.dv)
+            else:
+                dk[:, :, cols] += grads.dk
+                dv[:, :, cols] += grads.dv
             if grads.d_sink is not None:
                 d_sink += grads.d_sink
             if grads.d_bias is not None:
@@ -368,7 +373,7 @@ class RingDKV:
                 self.pending.wait()
                 self.pending = None
             acc = self.sums[self.index % 2]
-            self.accs = self.fmt.to_bhsd(acc[0]), self.fmt.to_bhsd(acc[1])
+            self.accs = self.fmt.to_bhsd(acc[0]), self.fmt.to_bhsd(acc[1]), False
         return self.accs
 
     def finish(self, step: Step) -> None:
@@ -491,12 +496,13 @@ def _placement(held, arriving) -> list[tuple[int, int, int]]:
 class DirectDKV:
     """dK/dV of the rows a step read return to their owner, who adds them to its own in the
     accumulator dtype: step i's part is posted once its tiles are in (with the part this rank's
-    reader ``rank + i`` returns), and added at home after step i+1 computed. Step 0's tiles add
-    straight into the home accumulator."""
+    reader ``rank + i`` returns), and added at home after step i+1 computed. Step 0's tiles go
+    straight into the home accumulator. A step whose tiles write every row once (``Step.kv_cover``:
+    causal and full masks) writes its part (and step 0 the home accumulator) without zeroing it."""
 
     def __init__(self, comm, shape, dtype: torch.dtype, device, fmt, schedule: CommSchedule):
         self.comm, self.fmt, self.schedule = comm, fmt, schedule
-        self.acc = torch.zeros((2, *shape), dtype=dtype, device=device)
+        self.acc = torch.empty((2, *shape), dtype=dtype, device=device)
         self.sd = fmt.seq_dim + 1
         largest = schedule.largest()
         self.parts = [_flat(self.acc, self.sd, largest) for _ in range(2)]
@@ -506,9 +512,10 @@ class DirectDKV:
         self.accs = None
 
     def start(self, step: Step) -> None:
-        part = self.acc if step.index == 0 else \
-            _rows(self.parts[step.index % 2], self.acc, self.sd, step.held_rows).zero_()
-        self.accs = self.fmt.to_bhsd(part[0]), self.fmt.to_bhsd(part[1])
+        part = self.acc if step.index == 0 else _rows(self.parts[step.index % 2], self.acc, self.sd, step.held_rows)
+        if not step.kv_cover:
+            part.zero_()
+        self.accs = self.fmt.to_bhsd(part[0]), self.fmt.to_bhsd(part[1]), step.kv_cover
 
     def target(self):
         return self.accs

@@ -143,3 +143,22 @@ def test_parts_hold_every_later_tile_until_its_merge(cp, chunk, band, parts):
         assert not pending                                        # the last step merged them all
         assert sorted(covered_first) == list(range(2 * chunk))    # every row's first tile writes the output
         assert plan.accumulates == (merges > 1)
+
+
+@pytest.mark.parametrize("kind", [KVSchedule.RING, KVSchedule.DIRECT])
+@pytest.mark.parametrize("band", [Band(None, 0), Band(), Band(-5, 0), Band(-9, 0), Band(-3, 2)],
+                         ids=["causal", "no_mask", "w5", "w9", "two-sided"])
+def test_kv_cover_says_every_held_row_is_read_by_exactly_one_tile(kind, band):
+    """``Step.kv_cover`` lets the direct schedule write a step's dK/dV without zeroing them first:
+    it must hold exactly when each row of the step's K/V buffer is in one tile's ``kv_rows``."""
+    seen = set()
+    for rank in range(4):
+        for step in ring_plan(4, rank, 4, band, kind).steps:
+            counts = [0] * step.held_rows
+            for tile in step.tiles:
+                for r in range(tile.kv_rows.start, tile.kv_rows.stop):
+                    counts[r] += 1
+            assert step.kv_cover == all(c == 1 for c in counts), (rank, step.index)
+            seen.add(step.kv_cover)
+    if kind is KVSchedule.RING and band != Band():
+        assert seen == {True, False}   # both answers occur, so the oracle is tested both ways
