@@ -329,12 +329,15 @@ def unstacked(kv: torch.Tensor, fmt) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class RingKV:
-    """K/V of each step over the ring: step i+1's exchange is in flight while step i computes."""
+    """K/V of each step over the ring: step i+1's exchange is in flight while step i computes.
+    Step 0 reads this rank's own ``kv`` (never written: the backward reads it again); step i > 0
+    the buffer ``(i - 1) % 2`` (one buffer at cp = 2)."""
 
-    def __init__(self, comm, k: torch.Tensor, v: torch.Tensor, fmt, phase: str):
+    def __init__(self, comm, kv: torch.Tensor, fmt, phase: str):
+        """``kv``: this rank's K and V, ``stacked``."""
         self.comm, self.fmt, self.phase = comm, fmt, phase
-        self.bufs = [stacked(k, v, fmt.seq_dim)]
-        self.bufs.append(torch.empty_like(self.bufs[0]))
+        self.own = kv
+        self.bufs = [torch.empty_like(kv) for _ in range(min(2, comm.size - 1))]
         self.pending = None
 
     def get(self, step: Step):
@@ -343,9 +346,9 @@ class RingKV:
             self.pending.wait()
             self.pending = None
         faults.active.on_ring_step(self.comm.rank, self.phase, i)
-        cur = self.bufs[i % 2]
+        cur = self.own if i == 0 else self.bufs[(i - 1) % 2]
         if i + 1 < self.comm.size:
-            self.pending = self.comm.exchange(cur, self.bufs[(i + 1) % 2], "kv", self.phase, i)
+            self.pending = self.comm.exchange(cur, self.bufs[i % 2], "kv", self.phase, i)
         return unstacked(cur, self.fmt)
 
 
@@ -425,10 +428,11 @@ class DirectKV:
     flight while step i computes. A step that reads nothing receives nothing; step 0 reads the
     local shard."""
 
-    def __init__(self, comm, k: torch.Tensor, v: torch.Tensor, fmt, phase: str, schedule: CommSchedule):
+    def __init__(self, comm, kv: torch.Tensor, fmt, phase: str, schedule: CommSchedule):
+        """``kv``: this rank's K and V, ``stacked``."""
         self.comm, self.fmt, self.phase, self.schedule = comm, fmt, phase, schedule
         self.plan = schedule.plans[comm.rank]
-        self.own = stacked(k, v, fmt.seq_dim)
+        self.own = kv
         self.sd = fmt.seq_dim
         largest = schedule.largest()
         self.bufs = [_flat(self.own, self.sd, largest) for _ in range(2)]
@@ -555,14 +559,15 @@ class DirectDKV:
         return self.acc
 
 
-def kv_movers(schedule: CommSchedule, comm, k: torch.Tensor, v: torch.Tensor, fmt, phase: str, acc=None):
+def kv_movers(schedule: CommSchedule, comm, kv: torch.Tensor, fmt, phase: str, acc=None):
     """The ``KVSource`` (and in the backward, with ``acc`` the accumulator dtype, the ``DKVSink``)
-    that move a rank's K/V and dK/dV under ``schedule``."""
+    that move a rank's K/V (``kv``: ``stacked``) and dK/dV under ``schedule``."""
+    shape = kv.select(fmt.seq_dim + 1, 0).shape
     if schedule.kind is KVSchedule.RING:
-        kv = RingKV(comm, k, v, fmt, phase)
-        return kv if acc is None else (kv, RingDKV(comm, k.shape, acc, k.device, fmt))
-    kv = DirectKV(comm, k, v, fmt, phase, schedule)
-    return kv if acc is None else (kv, DirectDKV(comm, k.shape, acc, k.device, fmt, schedule))
+        source = RingKV(comm, kv, fmt, phase)
+        return source if acc is None else (source, RingDKV(comm, shape, acc, kv.device, fmt))
+    source = DirectKV(comm, kv, fmt, phase, schedule)
+    return source if acc is None else (source, DirectDKV(comm, shape, acc, kv.device, fmt, schedule))
 
 
 def schedule_for(opts: CPOptions, comm, k: torch.Tensor) -> CommSchedule:
@@ -588,16 +593,17 @@ class P2PAttention(torch.autograd.Function):
         bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
         lse = torch.empty((q.shape[1 - fmt.seq_dim], h, q.shape[fmt.seq_dim]), dtype=acc, device=q.device)
         out = torch.empty_like(q)
-        run_forward(plan, kv_movers(schedule, comm, k, v, fmt, "fwd"),
+        kv = stacked(k, v, fmt.seq_dim)   # kept for the backward, which moves them the same way
+        run_forward(plan, kv_movers(schedule, comm, kv, fmt, "fwd"),
                     state=ForwardState.make(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), lse),
                     sink=sink, bias=bias_tiles, opts=opts)
-        ctx.save_for_backward(q, k, v, out, lse, offset, bias)
+        ctx.save_for_backward(q, kv, out, lse, offset, bias)
         ctx.opts, ctx.comm, ctx.schedule, ctx.sink_is_param = opts, comm, schedule, offset is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, offset, bias = ctx.saved_tensors
+        q, kv, out, lse, offset, bias = ctx.saved_tensors
         opts, comm, schedule = ctx.opts, ctx.comm, ctx.schedule
         plan = faults.active.ring_plan(schedule.plans[comm.rank])
         fmt = opts.spec.qkv_format
@@ -605,8 +611,8 @@ class P2PAttention(torch.autograd.Function):
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
         dq = torch.empty_like(q)    # the rows backward writes it once, at the end
-        kv, dkv = kv_movers(schedule, comm, k, v, fmt, "bwd", acc)
-        d_sink = run_backward(plan, kv, dkv,
+        source, dkv = kv_movers(schedule, comm, kv, fmt, "bwd", acc)
+        d_sink = run_backward(plan, source, dkv,
                               state=BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), fmt.to_bhsd(grad_out), lse,
                                                   fmt.to_bhsd(dq)),
                               sink=sink, bias=bias_tiles, opts=opts)
@@ -616,7 +622,7 @@ class P2PAttention(torch.autograd.Function):
             d_offset = d_sink if d_sink is not None else torch.zeros_like(offset)
         if bias is not None:
             d_bias = bias_tiles.grad.to(bias.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), d_offset, d_bias, None, None
+        return dq, dk.to(kv.dtype), dv.to(kv.dtype), d_offset, d_bias, None, None
 
 
 def _bias_tiles(bias, plan: RankPlan, cp: int, acc) -> Optional[BiasTiles]:
