@@ -72,7 +72,8 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
         outs.append(out)
         lses.append(lse)
 
-    dqs = [torch.full_like(x, float("nan")) for x in qs]   # in q's dtype, as the ring returns it
+    # NaN-filled in the accumulator dtype, which the rows backward then accumulates in: a row no tile writes stays NaN
+    dqs = [torch.full(x.shape, float("nan"), dtype=acc, device=dev) for x in qs]
     dks = [torch.zeros(x.shape, dtype=acc, device=dev) for x in ks]
     dvs = [torch.zeros(x.shape, dtype=acc, device=dev) for x in vs]
     parts = []

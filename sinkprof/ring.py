@@ -33,13 +33,9 @@ class KVSource(Protocol):
 
 
 class DKVSink(Protocol):
-    def start(self, step: Step) -> None:
-        """Step ``step`` begins (nothing here waits for a message)."""
-
-    def target(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Accumulators for dK and dV of the step's ``kv_rank``, and whether the step's tiles write
-        them (fresh, every row from one tile: ``Step.kv_cover``) rather than add into them. Asked
-        for once the step's first kernel call is issued, so it may wait for a message."""
+    def start(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Accumulators for dK and dV of ``step.kv_rank``, and whether the step's tiles write them
+        (fresh, every row from one tile: ``Step.kv_cover``) rather than add into them."""
 
     def finish(self, step: Step) -> None:
         """This step's tiles are in; pass the accumulators on."""
@@ -128,23 +124,21 @@ class LocalDKV:
 
     def __init__(self, dks, dvs):
         self.dks, self.dvs = dks, dvs
-        self.part = self.accs = None
+        self.part = None
 
     def _home(self, step: Step):
         if isinstance(self.dks, torch.Tensor):
             return self.dks, self.dvs
         return self.dks[step.kv_rank], self.dvs[step.kv_rank]
 
-    def start(self, step: Step) -> None:
+    def start(self, step: Step):
         dk, dv = self._home(step)
         if _whole(step, dk.shape[2]):
-            self.part, self.accs = None, (dk, dv)
-            return
+            self.part = None
+            return dk, dv, False
         n = step.held_rows
-        self.part = self.accs = tuple(x.new_zeros((*x.shape[:2], n, x.shape[3])) for x in (dk, dv))
-
-    def target(self):
-        return (*self.accs, False)
+        self.part = tuple(x.new_zeros((*x.shape[:2], n, x.shape[3])) for x in (dk, dv))
+        return (*self.part, False)
 
     def finish(self, step: Step) -> None:
         """Rows held apart go home; the whole shard already is the owner's."""
@@ -270,10 +264,10 @@ def run_backward(plan: RankPlan, kv: KVSource, dkv: DKVSink, *, state: BackwardS
                                      biased=bias is not None)
     for step in plan.backward_steps:
         k, v = kv.get(step)
-        dkv.start(step)
+        dk, dv, write = dkv.start(step)
         with profiling.active.compute("bwd", step.index):
-            _backward_tiles(step, k=k, v=v, dkv=dkv, rows=rows, sink=sink, bias=bias, strategy=strategy,
-                            d_sink=d_sink)
+            _backward_tiles(step, k=k, v=v, dk=dk, dv=dv, write=write, rows=rows, sink=sink, bias=bias,
+                            strategy=strategy, d_sink=d_sink)
         dkv.finish(step)
     rows.finish()
     if sink is not None and not from_tiles:
@@ -281,10 +275,11 @@ def run_backward(plan: RankPlan, kv: KVSource, dkv: DKVSink, *, state: BackwardS
     return d_sink
 
 
-def _backward_tiles(step: Step, *, k, v, dkv: DKVSink, rows, sink, bias, strategy: SinkStrategy, d_sink) -> None:
-    """One backward step: every tile's gradients (a group's in one call) added to this step's
-    dK/dV (``dkv.target()``, asked for after the first kernel call) and the sink's; the rows' dq
-    is kept by ``rows``."""
+def _backward_tiles(step: Step, *, k, v, dk, dv, write: bool, rows, sink, bias, strategy: SinkStrategy,
+                    d_sink) -> None:
+    """One backward step: every tile's gradients (a group's in one call) written (``write``: each
+    row from one tile) or added to this step's dK/dV, and the sink's; the rows' dq is kept by
+    ``rows``."""
     for group in step.groups:
         first = step.tiles[group[0]]
         if len(group) > 1 and bias is None:
@@ -292,7 +287,6 @@ def _backward_tiles(step: Step, *, k, v, dkv: DKVSink, rows, sink, bias, strateg
             cols = tuple(t.kv_rows for t in tiles)
             grads = rows.group(tuple(t.q_rows for t in tiles), k, v, cols, first.band, tile_sink(first, sink, strategy),
                                first=first.sink)
-            dk, dv, write = dkv.target()
             add_rows_(dk, grads.dk, cols, write=write)
             add_rows_(dv, grads.dv, cols, write=write)
             if grads.d_sink is not None:
@@ -303,7 +297,6 @@ def _backward_tiles(step: Step, *, k, v, dkv: DKVSink, rows, sink, bias, strateg
             cols = tile.kv_rows
             grads = rows.tile(tile.q_rows, k[:, :, cols], v[:, :, cols], tile.band, tile_sink(tile, sink, strategy),
                               bias.tile(step, t) if bias else None, first=tile.sink)
-            dk, dv, write = dkv.target()
             if write:
                 dk[:, :, cols].copy_(grads.dk)
                 dv[:, :, cols].copy_(grads.dv)
@@ -353,44 +346,42 @@ class RingKV:
 
 
 class RingDKV:
-    """dK/dV travel one hop behind K/V: a step adds its tiles into the sum the previous rank sent
-    for the same shard (step 0 into zeros) and passes it on; after the last step every shard's
-    gradient has arrived home. The sum is waited for once the step's first kernel call is issued,
-    so its transfer overlaps that kernel, and no pass zeroes or adds a buffer at each step."""
+    """dK/dV travel one hop behind K/V: each step's tiles go into a part of their own (written when
+    they read every row once, ``Step.kv_cover``, else zeroed and added to), the sum the previous
+    rank sent is added once the step has computed, and the part is passed on; after the last step
+    every shard's gradient has arrived home. The sum is waited for after the step's compute, not
+    inside it: a wait there would hold the host (NCCL's timed wait) before the step's later kernels
+    and count as compute in a profile."""
 
     def __init__(self, comm, shape, dtype: torch.dtype, device, fmt):
         self.comm, self.fmt = comm, fmt
-        self.sums = [torch.empty((2, *shape), dtype=dtype, device=device) for _ in range(2)]
+        self.parts = [torch.empty((2, *shape), dtype=dtype, device=device) for _ in range(2)]
+        self.incoming = [torch.empty_like(self.parts[0]) for _ in range(2)]
         self.pending = None
-        self.index = 0
-        self.accs = None
+        self.last = 0
 
-    def start(self, step: Step) -> None:
-        self.index, self.accs = step.index, None
-        if step.index == 0:
-            self.sums[0].zero_()
-
-    def target(self):
-        if self.accs is None:
-            if self.pending is not None:
-                self.pending.wait()
-                self.pending = None
-            acc = self.sums[self.index % 2]
-            self.accs = self.fmt.to_bhsd(acc[0]), self.fmt.to_bhsd(acc[1]), False
-        return self.accs
+    def start(self, step: Step):
+        part = self.parts[step.index % 2]
+        if not step.kv_cover:
+            part.zero_()
+        return self.fmt.to_bhsd(part[0]), self.fmt.to_bhsd(part[1]), step.kv_cover
 
     def finish(self, step: Step) -> None:
-        self.target()   # a step without tiles passes the sum on as it arrived
         i = step.index
+        part = self.parts[i % 2]
+        if self.pending is not None:
+            self.pending.wait()
+            part += self.incoming[(i - 1) % 2]
         if self.comm.size > 1:
-            self.pending = self.comm.exchange(self.sums[i % 2], self.sums[(i + 1) % 2], "dkv", "bwd", i)
+            self.pending = self.comm.exchange(part, self.incoming[i % 2], "dkv", "bwd", i)
+        self.last = i
 
     def home(self) -> torch.Tensor:
         """``[2, *kv_shape]``: this rank's own dK and dV, summed over every rank's tiles."""
         if self.comm.size == 1:
-            return self.sums[0]
+            return self.parts[0]
         self.pending.wait()
-        return self.sums[(self.index + 1) % 2]
+        return self.incoming[self.last % 2]
 
 
 def _flat(like: torch.Tensor, seq_dim: int, rows: int, dtype=None) -> torch.Tensor:
@@ -513,16 +504,12 @@ class DirectDKV:
         self.incoming = [_flat(self.acc, self.sd, largest) for _ in range(2)]
         self.pending = None
         self.arrived = None   # (message, rows of this rank's shard it carries)
-        self.accs = None
 
-    def start(self, step: Step) -> None:
+    def start(self, step: Step):
         part = self.acc if step.index == 0 else _rows(self.parts[step.index % 2], self.acc, self.sd, step.held_rows)
         if not step.kv_cover:
             part.zero_()
-        self.accs = self.fmt.to_bhsd(part[0]), self.fmt.to_bhsd(part[1]), step.kv_cover
-
-    def target(self):
-        return self.accs
+        return self.fmt.to_bhsd(part[0]), self.fmt.to_bhsd(part[1]), step.kv_cover
 
     def finish(self, step: Step) -> None:
         self._land()

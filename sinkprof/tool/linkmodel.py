@@ -19,10 +19,9 @@ measured here ran alone on the device).
 **Overlap, as the ring runs it** (``ring.RingKV``/``DirectKV``, ``RingDKV``/``DirectDKV``): the
 K/V message labelled step i is posted as step i starts and waited before step i+1 computes; the
 dK/dV message of step i is posted after step i computed (and after dK/dV of step i-1 arrived) and
-waited after step i+1 computed; the last one is waited after the last step. Both schedules are
-timed so (the ring forwards dK/dV one hop, direct sends them straight to the owner: other peers and
-bytes; the ring waits for them a little earlier, after step i+1's first kernel and before the
-additions that follow it, which are a few percent of a step). Per rank, with the measured compute of step i at ``[a_i, b_i]`` and every
+waited after step i+1 computed; the last one is waited after the last step. Both schedules time
+dK/dV so (the ring forwards them one hop, direct sends them straight to the owner: other peers and
+bytes, the same timing). Per rank, with the measured compute of step i at ``[a_i, b_i]`` and every
 later moment shifted by the stalls so far::
 
     forward:  exposed(kv_i)  = max(0, s_i + T(kv_i) - e_i)
