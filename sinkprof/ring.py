@@ -401,14 +401,14 @@ def _pack(x: torch.Tensor, seq_dim: int, parts, out: torch.Tensor) -> torch.Tens
     return torch.cat([x.narrow(seq_dim, p.start, p.stop - p.start) for p in parts], dim=seq_dim, out=out)
 
 
-def _message(x: torch.Tensor, seq_dim: int, parts, out: torch.Tensor) -> torch.Tensor:
+def _message(x: torch.Tensor, seq_dim: int, parts, buffer) -> torch.Tensor:
     """The rows ``parts`` of ``x`` as one contiguous message: ``x``'s own memory when they are one
-    range that is contiguous there, else packed into ``out``."""
+    range that is contiguous there, else packed into ``buffer(rows)`` (asked for only then)."""
     if len(parts) == 1:
         rows = x.narrow(seq_dim, parts[0].start, parts[0].stop - parts[0].start)
         if rows.is_contiguous():
             return rows
-    return _pack(x, seq_dim, parts, out)
+    return _pack(x, seq_dim, parts, buffer(rows_in(parts)))
 
 
 class DirectKV:
@@ -427,7 +427,7 @@ class DirectKV:
         self.sd = fmt.seq_dim
         largest = schedule.largest()
         self.bufs = [_flat(self.own, self.sd, largest) for _ in range(2)]
-        self.out = _flat(self.own, self.sd, largest)
+        self.out = None   # a send buffer, made the first time rows must be packed
         self.pending = None
         self.landing = None   # (buffer, message, [(buffer row, message row, rows)]) when they differ
 
@@ -451,17 +451,23 @@ class DirectKV:
         arriving = faults.active.sent_rows(self.phase, i, owner, me, held)
         sends, recvs = [], []
         if leaving:
-            sends.append((_message(self.own, sd, leaving, _rows(self.out, self.own, sd, rows_in(leaving))), reader))
+            sends.append((_message(self.own, sd, leaving, self._send_buffer), reader))
         if arriving:
             buf = _rows(self.bufs[i % 2], self.own, sd, rows_in(held))
             if arriving == held:
                 recvs.append((buf, owner))
             else:  # the message carries other rows than the buffer holds: place them, zero the rest
-                message = torch.empty_like(_rows(self.out, self.own, sd, rows_in(arriving)))
+                n = rows_in(arriving)
+                message = _rows(_flat(self.own, sd, n), self.own, sd, n)
                 self.landing = (buf, message, _placement(held, arriving))
                 recvs.append((message, owner))
         if sends or recvs:
             self.pending = self.comm.post(sends, recvs, "kv", self.phase, i - 1)
+
+    def _send_buffer(self, rows: int) -> torch.Tensor:
+        if self.out is None:
+            self.out = _flat(self.own, self.sd, self.schedule.largest())
+        return _rows(self.out, self.own, self.sd, rows)
 
     def _land(self) -> None:
         if self.landing is None:

@@ -236,8 +236,8 @@ def test_a_range_of_stacked_rows_goes_out_from_the_shard_itself_when_it_is_conti
     got_k, got_v = unstacked(kv, f)
     assert torch.equal(got_k, f.to_bhsd(k)) and torch.equal(got_v, f.to_bhsd(v))
     outs = [torch.empty(_rows_shape(kv, f.seq_dim, 5)) for _ in range(2)]
-    one = _message(kv, f.seq_dim, (slice(2, 7),), outs[0])
-    two = _message(kv, f.seq_dim, (slice(0, 2), slice(9, 12)), outs[1])
+    one = _message(kv, f.seq_dim, (slice(2, 7),), lambda n: outs[0])
+    two = _message(kv, f.seq_dim, (slice(0, 2), slice(9, 12)), lambda n: outs[1])
     assert torch.equal(one, kv.narrow(f.seq_dim, 2, 5))
     assert torch.equal(two, torch.cat([kv.narrow(f.seq_dim, 0, 2), kv.narrow(f.seq_dim, 9, 3)], f.seq_dim))
     from_shard = one.data_ptr() == kv.narrow(f.seq_dim, 2, 5).data_ptr()
