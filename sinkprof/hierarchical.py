@@ -17,7 +17,7 @@ from .a2a import GatherHeads, ScatterHeads
 from . import faults
 from .dist import Communicator, SoloCommunicator
 from .options import CPOptions, check_a2a_size
-from .ring import P2PAttention
+from .ring import P2PAttention, stacked
 
 
 class CPGroups:
@@ -72,9 +72,9 @@ def hierarchical_attention(q, k, v, offset: Optional[torch.Tensor], bias: Option
     world = members * outer.size
     chunks = opts.spec.chunks(q.shape[sd] * world, world)
     q_o = ScatterHeads.apply(q, inner, sd, hd, chunks)
-    kv_o = ScatterHeads.apply(torch.stack([k, v]), inner, sd + 1, hd + 1, chunks)
+    kv_o = ScatterHeads.apply(stacked(k, v, sd), inner, sd, hd + 1, chunks)   # a row's K beside its V
     sink_heads = faults.active.sink_heads(mine, per)
     offset_o = offset[:, sink_heads] if offset is not None else None
     bias_o = bias[:, mine] if bias is not None and bias.shape[1] != 1 else bias
-    out_o = P2PAttention.apply(q_o, kv_o[0], kv_o[1], offset_o, bias_o, opts, outer)
+    out_o = P2PAttention.apply(q_o, *kv_o.unbind(sd + 1), offset_o, bias_o, opts, outer)   # the ring keeps kv_o
     return GatherHeads.apply(out_o, inner, sd, hd, chunks)

@@ -312,8 +312,19 @@ def _backward_tiles(step: Step, *, k, v, dk, dv, write: bool, rows, sink, bias, 
 def stacked(k: torch.Tensor, v: torch.Tensor, seq_dim: int) -> torch.Tensor:
     """K and V in one buffer, a row's K beside its V (the pair dim right after ``seq_dim``), so a
     range of rows is one contiguous message whenever ``seq_dim`` is the outermost dim of a row
-    range (sbhd, thd, bshd with b = 1)."""
-    return torch.stack([k, v], dim=seq_dim + 1)
+    range (sbhd, thd, bshd with b = 1). When k and v already are the two halves of such a
+    contiguous buffer (a fused K/V projection's ``[b, s, 2, g, d]`` output unbound, or the a2a's
+    re-layout), that buffer itself, without a copy."""
+    pair = seq_dim + 1
+    shape, strides = list(k.shape), list(k.stride())
+    half = math.prod(shape[pair:])
+    if (v.shape == k.shape and v.stride() == k.stride() and v.dtype == k.dtype and v.device == k.device
+            and v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+            and v.storage_offset() == k.storage_offset() + half):
+        kv = k.as_strided(shape[:pair] + [2] + shape[pair:], strides[:pair] + [half] + strides[pair:])
+        if kv.is_contiguous():
+            return kv
+    return torch.stack([k, v], dim=pair)
 
 
 def unstacked(kv: torch.Tensor, fmt) -> tuple[torch.Tensor, torch.Tensor]:

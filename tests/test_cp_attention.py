@@ -78,3 +78,27 @@ def test_a_half_precision_offset_is_used_in_fp32_and_gets_its_gradient_in_its_dt
         expected.sum().backward()
         assert mine[3].grad.dtype == dtype
         assert torch.allclose(mine[3].grad.float(), ref[3].grad.to(dtype).float())
+
+
+def test_k_and_v_unbound_from_a_fused_kv_buffer_are_used_in_place_and_give_the_same_gradients(world, monkeypatch):
+    """A fused K/V projection's ``[b, s, 2, g, d]`` output, unbound: the ring keeps that buffer
+    (no stacking copy, ``ring.stacked``) and the result and every gradient equal those of separate
+    k and v tensors; the gradient reaches the fused buffer."""
+    from sinkprof import ring
+    q, k, v, a = _inputs(seed=3)
+    fused = torch.stack([k, v], dim=2).requires_grad_()
+    seen = []
+    real = ring.stacked
+    monkeypatch.setattr(ring, "stacked", lambda k_, v_, sd: seen.append(real(k_, v_, sd)) or seen[-1])
+    qf, af = q.clone().requires_grad_(), a.clone().requires_grad_()
+    out = sinkprof.cp_attention(qf, *fused.unbind(2), af, softmax_type="learnable", mask="causal")
+    assert seen and seen[0].data_ptr() == fused.data_ptr()      # the fused buffer itself, not a copy
+    sep = [x.clone().requires_grad_() for x in (q, k, v, a)]
+    expected = sinkprof.cp_attention(*sep, softmax_type="learnable", mask="causal")
+    assert seen[1].data_ptr() not in (sep[1].data_ptr(), sep[2].data_ptr())   # separate tensors are stacked
+    assert torch.equal(out, expected)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    expected.backward(dout)
+    assert torch.equal(fused.grad, torch.stack([sep[1].grad, sep[2].grad], dim=2))
+    assert torch.equal(qf.grad, sep[0].grad) and torch.equal(af.grad, sep[3].grad)
