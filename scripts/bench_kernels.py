@@ -202,6 +202,7 @@ class RankRing:
     dq: Optional[torch.Tensor]      # [b, h, 2c, d], q's dtype
     dks: list             # every rank's dK, [b, g, 2c, d] fp32
     dvs: list
+    comm: Optional["Loopback"] = None   # the ring's own code: the communicator it ran over
 
 
 def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d, rows_path=True) -> RankRing:
@@ -295,9 +296,7 @@ def _comm_ring_fns(kernel, cp: int, rank: int, q, k, v, do, sink, softmax, strat
 
     def bwd():
         P2PAttention.backward(ctx, do)
-    ring = RankRing(fwd, bwd, None, None, [], [])
-    ring.comm = comm
-    return ring
+    return RankRing(fwd, bwd, None, None, [], [], comm)
 
 
 def rank_flops(plan, b: int, h: int, d: int) -> int:
