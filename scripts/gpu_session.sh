@@ -6,7 +6,7 @@
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
-# session4 rings4 verify5 cudnn5 passes5 rings5 final5
+# session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -168,4 +168,15 @@ if [[ $what == *" final5 "* ]]; then   # <= 400 s: K beside V in the ring's buff
   run gpu_tests_graphs 90 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "cuda_graph"
   run ring_bench_final 200 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,8" \
       --ring-backends fa4,fa4+comm --out "$OUT/ring_bench_final.json"
+fi
+if [[ $what == *" verify6 "* ]]; then   # <= 560 s: what changed after the fifth session's runs (the ring schedule's
+  # dK/dV wait, the lazy send buffer, fused K/V in place, a2a+p2p's stacked scatter), on fp16 and at 4 ranks
+  run gpu_tests_verify6 260 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py \
+      -k "pack or (ring_schedule and fa4) or cuda_graph or fa4_rows or fused"
+  run check_fa4_cp4_fp16 200 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a,a2a+p2p --softmax all \
+      --mask all --kv-schedule ring,direct --dtype fp16 --sink-strategy all --batch 1 --seq-len 4096 --heads 8 --kv-heads 4 \
+      --head-dim 64 --format json --output "$OUT/check_fa4_cp4_fp16.json"
+  run check_thd_fa4_cp4 90 $SP check --device cuda --backend fa4 --ranks 4 --qkv-format thd --seqlens 512,1536,2048 \
+      --comm p2p,a2a,a2a+p2p --softmax all --mask causal --window 127,0 --dtype bf16 --heads 8 --kv-heads 4 \
+      --head-dim 64 --format json --output "$OUT/check_thd_fa4_cp4.json"
 fi
