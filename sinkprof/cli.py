@@ -82,7 +82,8 @@ CASE_OPTIONS = [
     _option("sink_strategy", Optional[str], None, "--sink-strategy", help="step0, post-merge or all."),
     _option("sink_grad", Optional[str], None, "--sink-grad", help="full, partial or all."),
     _option("kv_schedule", Optional[str], None, "--kv-schedule",
-            help="How the ring moves K/V: auto (fewer bytes), ring, direct (comma list) or all."),
+            help="How the ring moves K/V: auto (ring or direct, fewer bytes), ring, direct, allgather "
+                 "(comma list) or all."),
     _option("window", Optional[str], None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
     _option("bias", Optional[bool], None, "--bias/--no-bias", help="Add a learnable [1, h, S, S] bias."),
     _option("batch", Optional[int], None, "--batch", help="Batch of the bshd and sbhd cases (thd: b = 1)."),
@@ -231,8 +232,8 @@ def emulate(
     mask: str = typer.Option("all", help="causal, no_mask or all."),
     strategy: str = typer.Option("all", help="Sink strategies: step0, post-merge, every-tile (the bug) or all."),
     window: Optional[str] = typer.Option(None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
-    kv_schedule: str = typer.Option("all", "--kv-schedule", help="K/V schedules to replay: ring, direct, auto "
-                                                                 "(comma list) or all (ring and direct)."),
+    kv_schedule: str = typer.Option("all", "--kv-schedule", help="K/V schedules to replay: ring, direct, allgather, "
+                                                                 "auto (comma list) or all (all but auto)."),
     qkv_format: str = typer.Option("bshd", "--qkv-format", help="bshd, sbhd, thd (comma list) or all. thd: one pack "
                                                                  "of documents, b = 1: --seqlens, or --docs random "
                                                                  "ones (default 3)."),
@@ -268,7 +269,7 @@ def emulate(
     strategies = split_list(strategy, "--strategy", SinkStrategy.parse, allowed=[x.value for x in SinkStrategy])
     schedules = split_list(kv_schedule, "--kv-schedule", KVSchedule.parse, allowed=[x.value for x in KVSchedule])
     if kv_schedule.strip() == "all":
-        schedules = [KVSchedule.RING, KVSchedule.DIRECT]
+        schedules = [k for k in KVSchedule if k is not KVSchedule.AUTO]
     check_writable(output, "--output")
     raise typer.Exit(run(cps, comm, a2a_size, masks, strategies, Shape(batch, seq_len, heads, kv_heads, head_dim),
                          seed, window, Output(fmt, output), schedules, formats, lengths))

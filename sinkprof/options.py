@@ -100,9 +100,10 @@ class CommType(_Choice):
 class KVSchedule(_Choice):
     """How K/V (and dK/dV) move between the ranks of a ring (docs/design.md, section 5)."""
 
-    AUTO = "auto"      # the one of the two that moves fewer bytes for this plan
+    AUTO = "auto"      # ring or direct, whichever moves fewer bytes for this plan
     RING = "ring"      # whole shards forwarded to the next rank every step
     DIRECT = "direct"  # each owner sends each reader exactly the rows it reads, at the step it reads them
+    ALLGATHER = "allgather"  # every shard to every rank before one step over the whole sequence (not overlapped)
 
 
 class Backend(_Choice):

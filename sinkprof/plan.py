@@ -50,6 +50,12 @@ class Tile:
     sink: bool        # the first tile of its rows: carries their sink (step 0, each local row exactly once)
     part: int = -1    # the buffer of later results this tile writes its rows into; -1: a first tile (the output)
 
+    @property
+    def corner_band(self) -> Band:
+        """The band seen from the tile's bottom-right corner (``j - i`` counted so that the last
+        row's last key is 0): tiles of different sizes with one corner band are one varlen mask."""
+        return self.band.shifted(-(self.kv_rows.stop - self.kv_rows.start - (self.q_rows.stop - self.q_rows.start)))
+
 
 @dataclass(frozen=True)
 class Step:
@@ -59,6 +65,8 @@ class Step:
     reads: tuple[slice, ...] = ()   # rows of the owner's shard the tiles read (sorted, disjoint)
     held: tuple[slice, ...] = ()    # rows of the owner's shard in this step's K/V buffer, in buffer order
     merges: int = 0                 # once this step's tiles are in: merge buffers 0..merges-1 into the rows' result
+    gathered: bool = False          # the buffer is every rank's shard in sequence order (``held`` in sequence
+                                    # rows; ``KVSchedule.ALLGATHER``), not one owner's rows
 
     @property
     def held_rows(self) -> int:
@@ -66,15 +74,16 @@ class Step:
 
     @functools.cached_property
     def groups(self) -> tuple[tuple[int, ...], ...]:
-        """The step's tiles as runs of neighbours that one kernel call can take at once: one band,
-        one sink flag, rows and keys each after the last's (a pack's documents at this step). A
-        kernel with varlen calls (FA4) runs a run of several tiles as one call."""
+        """The step's tiles as runs of neighbours that one kernel call can take at once: one band
+        seen from the tiles' bottom-right corners (``Tile.corner_band``; varlen kernels align their
+        masks there), one sink flag, rows and keys each after the last's (a pack's documents at this
+        step). A kernel with varlen calls (FA4) runs a run of several tiles as one call."""
         runs: list[list[int]] = []
         for t, tile in enumerate(self.tiles):
             if runs:
                 last = self.tiles[runs[-1][-1]]
-                if (tile.band == last.band and tile.sink == last.sink and tile.q_rows.start >= last.q_rows.stop
-                        and tile.kv_rows.start >= last.kv_rows.stop):
+                if (tile.corner_band == last.corner_band and tile.sink == last.sink
+                        and tile.q_rows.start >= last.q_rows.stop and tile.kv_rows.start >= last.kv_rows.stop):
                     runs[-1].append(t)
                     continue
             runs.append([t])
@@ -297,18 +306,21 @@ def _visible_keys(kv_rows: slice, n_q: int, band: Band) -> tuple[slice, Band]:
 
 def ring_plan(cp: int, rank: int, chunk, band: Band, kv_schedule=KVSchedule.RING) -> RankPlan:
     """The forward tiles of every ring step of ``rank`` for a global visibility ``band``; under the
-    ``direct`` K/V schedule every step after step 0 holds only the rows it reads. ``chunk`` is the
+    ``direct`` K/V schedule every step after step 0 holds only the rows it reads, and under
+    ``allgather`` there is one step over the whole sequence (``gather_plan``). ``chunk`` is the
     rows per chunk, or a tuple of them, one per document of a thd pack: documents see only
     themselves, so a pack's plan is every document's own plan, side by side in the local shard."""
     kv_schedule = KVSchedule.parse(kv_schedule, "kv_schedule")
     if kv_schedule is KVSchedule.AUTO:
-        raise ValueError("ring_plan needs a resolved kv_schedule ('ring' or 'direct'); "
+        raise ValueError("ring_plan needs a resolved kv_schedule ('ring', 'direct' or 'allgather'); "
                          "sinkprof.schedule.comm_schedule resolves 'auto'")
     if not 0 <= rank < cp:
         raise ValueError(f"rank={rank} must be in [0, cp={cp})")
     chunks = as_chunks(chunk)
     if not chunks or min(chunks) < 1:
         raise ValueError(f"chunk={chunk} rows must be >= 1")
+    if kv_schedule is KVSchedule.ALLGATHER:
+        return gather_plan(cp, rank, chunks, band)
     if len(chunks) > 1:
         return _pack_plan(cp, rank, chunks, band, kv_schedule)
     chunk = chunks[0]
@@ -338,6 +350,33 @@ def ring_plan(cp: int, rank: int, chunk, band: Band, kv_schedule=KVSchedule.RING
     if sink_rows != {0, 1}:  # the diagonal is always visible, so step 0 covers every local row
         raise AssertionError(f"step 0 of rank {rank} does not cover every local row: {sink_rows}")
     return RankPlan(cp, rank, chunks, _with_parts(steps))
+
+
+def gather_plan(cp: int, rank: int, chunk, band: Band) -> RankPlan:
+    """The plan of ``rank`` under ``KVSchedule.ALLGATHER``: one step whose K/V buffer is the whole
+    sequence (every rank's shard, in sequence order), so each local chunk of each document meets
+    every key it can see in one tile (a causal chunk at position p of its document: the document's
+    first p + c keys). Each local row is in exactly one tile, which carries its sink: nothing is
+    merged. A chunk's two tiles join into one when they read the same keys with one band (no
+    mask); otherwise the first chunks of every document come first, then the second chunks, so a
+    kernel with varlen calls takes each half as one call (``Step.groups``)."""
+    chunks = as_chunks(chunk)
+    per_doc, local, start = [], 0, 0
+    for c in chunks:
+        tiles: list[Tile] = []
+        for a, q in enumerate(chunk_ids(cp, rank)):
+            rows = slice(local + a * c, local + (a + 1) * c)
+            kv_rows, tile_band = _visible_keys(slice(start, start + 2 * cp * c), c, band.shifted(q * c))
+            last = tiles[-1] if tiles else None
+            if last is not None and last.kv_rows == kv_rows and last.band == tile_band == Band():
+                tiles[-1] = dataclasses.replace(last, q_rows=slice(last.q_rows.start, rows.stop))
+            else:
+                tiles.append(Tile(rows, kv_rows, tile_band, True))
+        per_doc.append(tiles)
+        local, start = local + 2 * c, start + 2 * cp * c
+    tiles = tuple(t for a in range(2) for doc in per_doc for t in doc[a:a + 1])
+    step = Step(0, rank, tiles, _union(t.kv_rows for t in tiles), (slice(0, start),), gathered=True)
+    return RankPlan(cp, rank, chunks, _with_parts([step]))
 
 
 def _shift(rows: slice, offset: int) -> slice:

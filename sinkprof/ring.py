@@ -3,8 +3,9 @@
 The loops here know nothing about communication: they ask a ``KVSource`` for the K/V of each
 step and a ``DKVSink`` for where that step's dK/dV go. The distributed ring hands them the
 messages of its communication schedule (``sinkprof.schedule``): double-buffered neighbour
-exchanges of whole shards (``RingKV``, ``RingDKV``) or the rows each step reads straight from
-their owner (``DirectKV``, ``DirectDKV``); the fp64 emulator hands them indexing into every
+exchanges of whole shards (``RingKV``, ``RingDKV``), the rows each step reads straight from
+their owner (``DirectKV``, ``DirectDKV``), or every shard gathered for one step over the whole
+sequence (``GatherKV``, ``GatherDKV``); the fp64 emulator hands them indexing into every
 rank's shards that exposes only what the schedule sends (``LocalKV``, ``LocalDKV``). All of them
 therefore execute literally the same plan.
 
@@ -86,12 +87,19 @@ class LocalKV:
     A step holding its owner's whole shard reads it in place. Otherwise (the direct schedule) the
     step's buffer receives only the rows the owner sends (``schedule.kv_rows``, through
     ``faults.active.sent_rows``), every other row is NaN, and a tile that reads a row which did
-    not arrive raises ``MissingRows``."""
+    not arrive raises ``MissingRows``. A gathered step (``allgather``) reads every shard put at its
+    sequence rows, once per ``LocalKV`` (the shards must not change while it is in use)."""
 
     def __init__(self, ks, vs, schedule: CommSchedule, reader: int, phase: str):
         self.ks, self.vs, self.schedule, self.reader, self.phase = ks, vs, schedule, reader, phase
+        self.sequence = None
 
     def get(self, step: Step):
+        if step.gathered:
+            if self.sequence is None:
+                rows = self.schedule.sequence_rows(self.ks[0].device)
+                self.sequence = tuple(_in_sequence(xs, rows, 2) for xs in (self.ks, self.vs))
+            return self.sequence
         k, v = self.ks[step.kv_rank], self.vs[step.kv_rank]
         shard = k.shape[2]
         sent = self.schedule.kv_rows(self.reader, step.index)
@@ -120,20 +128,21 @@ class LocalKV:
 
 class LocalDKV:
     """dK/dV added into their owner's accumulators (one per rank, or one shared): in place when
-    the step holds the owner's whole shard, else through the step's own rows."""
+    the step holds the owner's whole shard, else through the step's own rows (a gathered step's:
+    every owner's rows of the sequence)."""
 
-    def __init__(self, dks, dvs):
-        self.dks, self.dvs = dks, dvs
+    def __init__(self, dks, dvs, schedule: CommSchedule):
+        self.dks, self.dvs, self.schedule = dks, dvs, schedule
         self.part = None
 
-    def _home(self, step: Step):
+    def _home(self, owner: int):
         if isinstance(self.dks, torch.Tensor):
             return self.dks, self.dvs
-        return self.dks[step.kv_rank], self.dvs[step.kv_rank]
+        return self.dks[owner], self.dvs[owner]
 
     def start(self, step: Step):
-        dk, dv = self._home(step)
-        if _whole(step, dk.shape[2]):
+        dk, dv = self._home(step.kv_rank)
+        if _whole(step, dk.shape[2]) and not step.gathered:
             self.part = None
             return dk, dv, False
         n = step.held_rows
@@ -142,10 +151,27 @@ class LocalDKV:
 
     def finish(self, step: Step) -> None:
         """Rows held apart go home; the whole shard already is the owner's."""
-        if self.part is not None:
-            index = _held_index(step, self.part[0].device)
-            for home, part in zip(self._home(step), self.part):
-                home.index_add_(2, index, part)
+        if self.part is None:
+            return
+        if step.gathered:
+            for owner, rows in enumerate(self.schedule.sequence_rows(self.part[0].device)):
+                for home, part in zip(self._home(owner), self.part):
+                    home += part.index_select(2, rows)
+            return
+        index = _held_index(step, self.part[0].device)
+        for home, part in zip(self._home(step.kv_rank), self.part):
+            home.index_add_(2, index, part)
+
+
+def _in_sequence(shards, rows: list[torch.Tensor], seq_dim: int, out=None) -> torch.Tensor:
+    """Every rank's shard at its sequence rows ``rows[r]``, along ``seq_dim`` (into ``out``)."""
+    if out is None:
+        shape = list(shards[0].shape)
+        shape[seq_dim] = sum(len(r) for r in rows)
+        out = shards[0].new_empty(shape)
+    for x, r in zip(shards, rows):
+        out.index_copy_(seq_dim, r, x)
+    return out
 
 
 class BiasTiles:
@@ -157,7 +183,9 @@ class BiasTiles:
         self.index = {}
         for step in plan.steps:
             for t, tile in enumerate(step.tiles):
-                self.index[(step.index, t)] = (q_pos[tile.q_rows], kv_pos[step.kv_rank][step.source_rows(tile.kv_rows)])
+                cols = (torch.arange(tile.kv_rows.start, tile.kv_rows.stop, device=q_pos.device) if step.gathered
+                        else kv_pos[step.kv_rank][step.source_rows(tile.kv_rows)])
+                self.index[(step.index, t)] = (q_pos[tile.q_rows], cols)
         self.grad = torch.zeros(bias.shape, dtype=grad_dtype, device=bias.device)
 
     def tile(self, step: Step, t: int) -> torch.Tensor:
@@ -242,7 +270,8 @@ def _forward_tiles(step: Step, *, k, v, state: ForwardState, sink, bias, opts: C
         if len(group) > 1 and bias is None:
             tiles = [step.tiles[t] for t in group]
             opts.kernel.forward_group(q, k, v, tuple(t.q_rows for t in tiles), tuple(t.kv_rows for t in tiles),
-                                      first.band, tile_sink(first, sink, strategy), opts.scale, out=out, lse=lse)
+                                      tuple(t.band for t in tiles), tile_sink(first, sink, strategy), opts.scale,
+                                      out=out, lse=lse)
             continue
         for t in group:
             tile = step.tiles[t]
@@ -285,8 +314,8 @@ def _backward_tiles(step: Step, *, k, v, dk, dv, write: bool, rows, sink, bias, 
         if len(group) > 1 and bias is None:
             tiles = [step.tiles[t] for t in group]
             cols = tuple(t.kv_rows for t in tiles)
-            grads = rows.group(tuple(t.q_rows for t in tiles), k, v, cols, first.band, tile_sink(first, sink, strategy),
-                               first=first.sink)
+            grads = rows.group(tuple(t.q_rows for t in tiles), k, v, cols, tuple(t.band for t in tiles),
+                               tile_sink(first, sink, strategy), first=first.sink)
             add_rows_(dk, grads.dk, cols, write=write)
             add_rows_(dv, grads.dv, cols, write=write)
             if grads.d_sink is not None:
@@ -563,10 +592,78 @@ class DirectDKV:
         return self.acc
 
 
+class GatherKV:
+    """Every rank's K/V for the one step of ``KVSchedule.ALLGATHER``: this rank's shard goes to
+    every other rank and theirs come in, as one batch, before the step computes; one copy per
+    shard then puts each at its sequence rows, the buffer the step's tiles read. Nothing computes
+    while they travel."""
+
+    def __init__(self, comm, kv: torch.Tensor, fmt, phase: str, schedule: CommSchedule):
+        """``kv``: this rank's K and V, ``stacked``."""
+        self.comm, self.fmt, self.phase = comm, fmt, phase
+        self.own = kv
+        self.rows = schedule.sequence_rows(kv.device)
+        self.peers = [r for r in range(comm.size) if r != comm.rank]
+        self.arriving = torch.empty((len(self.peers), *kv.shape), dtype=kv.dtype, device=kv.device)
+        shape = list(kv.shape)
+        shape[fmt.seq_dim] *= comm.size
+        self.sequence = kv.new_empty(shape)
+
+    def get(self, step: Step):
+        faults.active.on_ring_step(self.comm.rank, self.phase, step.index)
+        if self.peers:
+            self.comm.post([(self.own, p) for p in self.peers], list(zip(self.arriving, self.peers)), "kv",
+                           self.phase, step.index).wait()
+        shards = [self.own if r == self.comm.rank else self.arriving[self.peers.index(r)] for r in range(self.comm.size)]
+        return unstacked(_in_sequence(shards, self.rows, self.fmt.seq_dim, out=self.sequence), self.fmt)
+
+
+class GatherDKV:
+    """dK/dV of the one gathered step: accumulated over the whole sequence (written when its tiles
+    read every key once, ``Step.kv_cover``), then each owner's rows go back to it, and this rank
+    adds up its own rows from every rank (a reduce-scatter, in the accumulator dtype)."""
+
+    def __init__(self, comm, shape, dtype: torch.dtype, device, fmt, schedule: CommSchedule):
+        self.comm, self.fmt = comm, fmt
+        self.sd = fmt.seq_dim + 1
+        self.rows = schedule.sequence_rows(device)
+        self.peers = [r for r in range(comm.size) if r != comm.rank]
+        whole = [2, *shape]
+        whole[self.sd] *= comm.size
+        self.sequence = torch.empty(whole, dtype=dtype, device=device)
+        self.parts = torch.empty((comm.size, 2, *shape), dtype=dtype, device=device)
+        self.incoming = torch.empty((len(self.peers), 2, *shape), dtype=dtype, device=device)
+        self.pending = None
+
+    def start(self, step: Step):
+        if not step.kv_cover:
+            self.sequence.zero_()
+        return self.fmt.to_bhsd(self.sequence[0]), self.fmt.to_bhsd(self.sequence[1]), step.kv_cover
+
+    def finish(self, step: Step) -> None:
+        for r, rows in enumerate(self.rows):
+            torch.index_select(self.sequence, self.sd, rows, out=self.parts[r])
+        if self.peers:
+            self.pending = self.comm.post([(self.parts[p], p) for p in self.peers],
+                                          list(zip(self.incoming, self.peers)), "dkv", "bwd", step.index)
+
+    def home(self) -> torch.Tensor:
+        """``[2, *kv_shape]``: this rank's own dK and dV, summed over every rank's tiles."""
+        own = self.parts[self.comm.rank]
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+            own += self.incoming.sum(0)
+        return own
+
+
 def kv_movers(schedule: CommSchedule, comm, kv: torch.Tensor, fmt, phase: str, acc=None):
     """The ``KVSource`` (and in the backward, with ``acc`` the accumulator dtype, the ``DKVSink``)
     that move a rank's K/V (``kv``: ``stacked``) and dK/dV under ``schedule``."""
     shape = kv.select(fmt.seq_dim + 1, 0).shape
+    if schedule.kind is KVSchedule.ALLGATHER:
+        source = GatherKV(comm, kv, fmt, phase, schedule)
+        return source if acc is None else (source, GatherDKV(comm, shape, acc, kv.device, fmt, schedule))
     if schedule.kind is KVSchedule.RING:
         source = RingKV(comm, kv, fmt, phase)
         return source if acc is None else (source, RingDKV(comm, shape, acc, kv.device, fmt))

@@ -9,11 +9,16 @@ rank receives for each step, and so which bytes move, per (phase, step, kind, pe
 - ``direct``: the owner of a shard sends each reader exactly the rows its tiles read at that step
   (``Step.held``), and the reader returns those rows' dK/dV partial to the owner after computing
   it; a step that reads nothing moves nothing.
+- ``allgather``: every rank sends its whole shard to every other rank before the one step
+  (``plan.gather_plan``), in the forward and again in the backward, and returns each owner its
+  rows of the dK/dV it computed (a reduce-scatter). Nothing computes while the K/V travel (the
+  bytes are those of ``ring``, less one dK/dV shard); in exchange every chunk meets all its keys
+  in one tile (long kernel loops, nothing to merge). Labelled step 0.
 
 A message is labelled with the step during which it is in flight: the K/V a rank computes with at
 step i+1 is posted as step i starts (label i), so it overlaps step i's compute; a dK/dV message
-is labelled with the step whose tiles produced it. ``auto`` takes the schedule that moves fewer
-bytes in all (ties go to the ring). Nothing here needs a process group: ``comm_bytes`` gives the
+is labelled with the step whose tiles produced it. ``auto`` takes whichever of ``ring`` and
+``direct`` moves fewer bytes in all (ties go to the ring). Nothing here needs a process group: ``comm_bytes`` gives the
 bytes of any shape on any cp, for models of links as much as for ``sinkprof check``.
 """
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Optional
 import torch
 
 from .options import CommType, KVSchedule, accum_dtype, check_a2a_size, check_heads, make_spec
-from .plan import RankPlan, as_chunks, ring_plan, rows_in
+from .plan import RankPlan, as_chunks, global_rows, ring_plan, rows_in
 
 PHASE_KINDS = (("fwd", "kv"), ("fwd", "a2a"), ("bwd", "kv"), ("bwd", "dkv"), ("bwd", "a2a"))
 
@@ -61,13 +66,24 @@ class CommSchedule:
     def __init__(self, kind: KVSchedule, cp: int, chunk, band):
         """``chunk``: rows per chunk, or a tuple of them, one per document of a thd pack."""
         if kind is KVSchedule.AUTO:
-            raise ValueError("CommSchedule needs 'ring' or 'direct'; comm_schedule resolves 'auto'")
+            raise ValueError("CommSchedule needs 'ring', 'direct' or 'allgather'; comm_schedule resolves 'auto'")
         self.kind, self.cp, self.chunks, self.band = kind, cp, as_chunks(chunk), band
         self.plans: tuple[RankPlan, ...] = tuple(ring_plan(cp, r, self.chunks, band, kind) for r in range(cp))
+        self._sequence_rows: dict = {}
+
+    def sequence_rows(self, device) -> list[torch.Tensor]:
+        """The sequence row of each row of every rank's shard (the order of an ``allgather`` step's
+        buffer), made once per device: a warm call does no host work for them, and a graph can
+        capture it."""
+        key = str(torch.device(device))
+        if key not in self._sequence_rows:
+            self._sequence_rows[key] = [global_rows(self.cp, r, self.chunks, device) for r in range(self.cp)]
+        return self._sequence_rows[key]
 
     def kv_rows(self, reader: int, step: int) -> tuple[slice, ...]:
         """Rows of rank ``(reader - step) % cp``'s shard that ``reader`` holds at ``step`` (the
-        message its owner sends it under ``direct``; the whole shard under ``ring``)."""
+        message its owner sends it under ``direct``; the whole shard under ``ring``); under
+        ``allgather`` the sequence rows of its one step's buffer."""
         return self.plans[reader].steps[step].held
 
     def largest(self) -> int:
@@ -90,7 +106,13 @@ class CommSchedule:
                 out[key] = (m_s, b_s, m_r, b_r)
 
         shard = 2 * sum(self.chunks)
-        if cp > 1 and self.kind is KVSchedule.RING:
+        if cp > 1 and self.kind is KVSchedule.ALLGATHER:
+            for peer in range(cp):
+                if peer != rank:
+                    add("fwd", 0, "kv", peer, shard, shard, kv_row_bytes)
+                    add("bwd", 0, "kv", peer, shard, shard, kv_row_bytes)
+                    add("bwd", 0, "dkv", peer, shard, shard, dkv_row_bytes)
+        elif cp > 1 and self.kind is KVSchedule.RING:
             nxt, prev = (rank + 1) % cp, (rank - 1) % cp
             for phase in ("fwd", "bwd"):
                 for i in range(cp - 1):
@@ -124,8 +146,9 @@ def row_bytes(b: int, g: int, d: int, dtype: torch.dtype) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=256)
 def comm_schedule(kv_schedule, cp: int, chunk, band, kv_row_bytes: int, dkv_row_bytes: int) -> CommSchedule:
-    """The schedule asked for; ``auto`` is the one moving fewer bytes in all (ring on a tie).
-    Every rank computes the same answer from the same plan. ``chunk``: as ``CommSchedule`` takes it."""
+    """The schedule asked for; ``auto`` is the one of ``ring`` and ``direct`` moving fewer bytes in
+    all (ring on a tie; ``allgather`` only when asked for). Every rank computes the same answer
+    from the same plan. ``chunk``: as ``CommSchedule`` takes it."""
     kind = KVSchedule.parse(kv_schedule, "kv_schedule")
     if kind is not KVSchedule.AUTO:
         return CommSchedule(kind, cp, chunk, band)

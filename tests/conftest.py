@@ -46,7 +46,8 @@ def fault_error(fault, settings, cp: int, comm: str):
     spec = case.spec()
     x = make_inputs(case.shape, spec, 0)
     with faults.injected(fault):
-        run = (emulate_ring(x, spec, cp, SinkStrategy.STEP0) if comm == "p2p" else
-               emulate_hierarchical(x, spec, cp, cp if comm == "a2a" else 2, SinkStrategy.STEP0))
+        kv = case.kv_schedule
+        run = (emulate_ring(x, spec, cp, SinkStrategy.STEP0, kv_schedule=kv) if comm == "p2p" else
+               emulate_hierarchical(x, spec, cp, cp if comm == "a2a" else 2, SinkStrategy.STEP0, kv_schedule=kv))
     ref = reference(x, spec)
     return case, max((run.result.named()[k] - v).abs().max().item() for k, v in ref.named().items())

@@ -48,12 +48,16 @@ def test_pack_lengths_differ_by_seed_and_refuse_impossible_packs(bk):
 
 
 def test_the_gpu_session_command_line_parses_into_one_64k_pack_at_cp_8(bk):
-    args = bk.parse_args(["--skip-tiles", "--rings", "", "--packs", "gpt-oss:8", "--ring-backends", "fa4",
-                          "--out", "x.json"])
+    from sinkprof.options import KVSchedule
+    args = bk.parse_args(["--skip-tiles", "--rings", "", "--packs", "gpt-oss:8", "--ring-backends", "fa4,fa4+comm",
+                          "--kv-schedules", "ring,allgather", "--out", "x.json"])
     assert bk._configs(args.rings) == []
     [(name, cp, docs)] = args.pack_cases
     assert (name, cp, sum(docs)) == ("gpt-oss", 8, 65536) and min(docs) >= 2048 and max(docs) <= 16384
-    for bad in (["--pack-docs", "2048"], ["--packs", "nope:8"], ["--packs", "gpt-oss:6", "--pack-len", "65532"]):
+    assert args.kinds == [KVSchedule.RING, KVSchedule.ALLGATHER]
+    assert bk.parse_args(["--packs", "gpt-oss:8"]).kinds == [KVSchedule.RING]
+    for bad in (["--pack-docs", "2048"], ["--packs", "nope:8"], ["--packs", "gpt-oss:6", "--pack-len", "65532"],
+                ["--kv-schedules", "auto"], ["--kv-schedules", "sideways"]):
         with pytest.raises(SystemExit):
             bk.parse_args(["--packs", "gpt-oss:8", *bad])
 
@@ -68,11 +72,15 @@ def test_every_rank_of_the_64k_pack_does_an_equal_share_of_the_documents_causal_
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_the_pack_ring_each_rank_runs_is_the_packs_attention(bk, cp):
+@pytest.mark.parametrize("kind", ["ring", "allgather"])
+def test_the_pack_ring_each_rank_runs_is_the_packs_attention(bk, cp, kind):
     """The benchmark's inputs, shards, schedule and loops (torch tiles, fp32) against the reference."""
+    from sinkprof.options import KVSchedule
+    from sinkprof.schedule import CommSchedule
     docs = bk.pack_lengths(16 * cp * 6, 8 * cp, 32 * cp, 2 * cp, seed=cp)
     h, g, d = 4, 2, 8
     p = bk.pack_setup(cp, h, g, d, docs, "cpu", dtype=torch.float32, seed=3)
+    p.schedule = CommSchedule(KVSchedule.parse(kind, "kind"), cp, p.schedule.chunks, p.schedule.band)
     assert p.flops == sum(4 * h * d * n * (n + 1) // 2 for n in docs)
     assert sum(bk.rank_flops(plan, 1, h, d) for plan in p.schedule.plans) == p.flops
     assert p.cu_seqlens.dtype == torch.int32 and p.cu_seqlens.tolist() == [0, *itertools.accumulate(docs)]
@@ -157,25 +165,32 @@ def test_the_fa4_varlen_call_passes_what_fa4s_interface_asserts(bk, monkeypatch)
 
 
 @pytest.mark.parametrize("cp,mask", [(2, "causal"), (4, "causal"), (4, "no_mask")])
-def test_the_loopback_ring_runs_the_rings_own_exchanges(bk, cp, mask):
+@pytest.mark.parametrize("kind", ["ring", "direct", "allgather"])
+@pytest.mark.parametrize("docs", [None, (32, 64, 32)], ids=["sequence", "pack"])
+def test_the_loopback_ring_runs_the_rings_own_exchanges(bk, cp, mask, kind, docs):
     """``--ring-backends BACKEND+comm`` times ``P2PAttention`` over ``Loopback``: every message
-    the plan sends reaches it (the schedule auto picks: direct for causal, ring for no_mask)."""
-    from sinkprof.schedule import comm_bytes
+    the plan of the K/V schedule sends reaches it, for a sequence and for a pack."""
+    from sinkprof.options import KVSchedule, SinkStrategy, SoftmaxType
+    from sinkprof.schedule import CommSchedule, comm_bytes
     from sinkprof.sink import sink_logits
-    from sinkprof.options import SinkStrategy, SoftmaxType
     b, h, g, d, s = 1, 4, 2, 16, 32 * cp
+    cu = None if docs is None else [0, *itertools.accumulate(n * cp // 2 for n in docs)]
+    s = s if cu is None else cu[-1]
+    spec = bk._spec("learnable", mask, cu)
+    schedule = CommSchedule(KVSchedule.parse(kind, "kind"), cp, spec.chunks(s, cp), spec.band)
     gen = torch.Generator().manual_seed(cp)
     q, do = (torch.randn(b, s, h, d, generator=gen) for _ in range(2))
     k, v = (torch.randn(b, s, g, d, generator=gen) for _ in range(2))
     sink = sink_logits(SoftmaxType.LEARNABLE, torch.randn(1, h, 1, 1, generator=gen) * 5, h, "cpu")
     for rank in (0, cp - 1):
-        parts = [bk.shard(x, cp, rank, 1) for x in (q, k, v, do)]
-        ring = bk._comm_ring_fns(get_kernel("torch", "cpu"), cp, rank, *parts, sink, "learnable",
-                                 SinkStrategy.STEP0, mask, d)
+        parts = [bk.shard(x, cp, rank, 1, cu) for x in (q, k, v, do)]
+        ring = bk._comm_ring_fns(get_kernel("torch", "cpu"), schedule, rank, *parts, sink, "learnable",
+                                 SinkStrategy.STEP0, mask, d, cu)
         ring.fwd()
         ring.bwd()
         planned = {}
-        for t in comm_bytes(s=s, b=b, h=h, g=g, d=d, dtype=q.dtype, cp=cp, mask=mask):
+        for t in comm_bytes(s=s, b=b, h=h, g=g, d=d, dtype=q.dtype, cp=cp, mask=mask, kv_schedule=kind,
+                            cu_seqlens=cu):
             if t.rank == rank:
                 planned[(t.phase, t.kind)] = planned.get((t.phase, t.kind), 0) + t.messages_received
         assert dict(ring.comm.received) == planned

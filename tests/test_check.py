@@ -109,7 +109,7 @@ SCHEDULE_PROFILE = """
 softmax = ["learnable"]
 dtype = ["fp64"]
 sink_strategy = ["step0", "post-merge"]
-kv_schedule = ["ring", "direct"]
+kv_schedule = ["ring", "direct", "allgather"]
 batch = 1
 heads = 2
 kv_heads = 1
@@ -134,7 +134,7 @@ window = [3, 2]
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])
-def test_both_kv_schedules_pass_and_move_exactly_the_planned_bytes(cli, tmp_path, cp):
+def test_every_kv_schedule_passes_and_moves_exactly_the_planned_bytes(cli, tmp_path, cp):
     import torch
     from sinkprof import comm_bytes
 
@@ -144,7 +144,7 @@ def test_both_kv_schedules_pass_and_move_exactly_the_planned_bytes(cli, tmp_path
               "--timeout", "60", "--run-timeout", "400", timeout=450)
     doc = _json(res)
     assert res.returncode == 0, res.stdout
-    assert len(doc["cases"]) == 6 * 2 * 2
+    assert len(doc["cases"]) == 6 * 2 * 3
     for case in doc["cases"]:
         assert case["passed"] and case["errors"]["comm"]["passed"], case
         kv = case["kv_schedule"]
@@ -158,7 +158,7 @@ def test_both_kv_schedules_pass_and_move_exactly_the_planned_bytes(cli, tmp_path
                                                         "bytes": sum(t.sent for t in sent)}, (phase, kind, kv)
         assert case["traffic"]["total"]["bytes"] == sum(t.sent for t in planned)
     schedules = {c["kv_schedule"] for c in doc["cases"]}
-    assert schedules == {"ring", "direct"}
+    assert schedules == {"ring", "direct", "allgather"}
 
 
 def test_drop_halo_makes_check_fail_and_is_refused_where_it_cannot_apply(cli):
@@ -176,16 +176,16 @@ def test_drop_halo_makes_check_fail_and_is_refused_where_it_cannot_apply(cli):
         assert "Traceback" not in res.stderr
 
 
-def test_a2a_p2p_runs_both_kv_schedules_over_its_ring_of_groups(cli):
+def test_a2a_p2p_runs_every_kv_schedule_over_its_ring_of_groups(cli):
     import torch
     from sinkprof import comm_bytes
 
     res = cli("check", "--ranks", "4", "--comm", "a2a+p2p", "--a2a-size", "2", "--seq-len", "32", "--softmax", "learnable",
-              "--mask", "causal", "--window", "3,0", "--dtype", "fp64,bf16", "--kv-schedule", "ring,direct",
+              "--mask", "causal", "--window", "3,0", "--dtype", "fp64,bf16", "--kv-schedule", "all",
               "--format", "json")
     doc = _json(res)
     assert res.returncode == 0, res.stdout
-    assert {(c["kv_schedule"], c["dtype"]) for c in doc["cases"]} == {(k, d) for k in ("ring", "direct")
+    assert {(c["kv_schedule"], c["dtype"]) for c in doc["cases"]} == {(k, d) for k in ("ring", "direct", "allgather")
                                                                        for d in ("fp64", "bf16")}
     for case in doc["cases"]:
         planned = comm_bytes(s=32, b=2, h=4, g=2, d=16, dtype={"fp64": torch.float64, "bf16": torch.bfloat16}[case["dtype"]],

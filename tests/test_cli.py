@@ -27,8 +27,11 @@ def test_emulate_json_schema_and_exit_code():
     assert doc["passed"] is True
     keys = {"cp", "mask", "strategy", "out_max_abs_err", "dq_max_abs_err", "dk_max_abs_err", "dv_max_abs_err",
             "dsink_max_abs_err", "dsink_ratio_min", "dsink_ratio_max"}
-    assert len(doc["results"]) == 2 * 3 * 2   # cp x strategy x K/V schedule (ring and direct by default)
-    assert {r["kv_schedule"] for r in doc["results"]} == {"ring", "direct"}
+    # cp x K/V schedule (ring, direct and allgather by default) x strategy, less every-tile under allgather
+    # (each row's keys are one tile there: the bug cannot change a result)
+    assert len(doc["results"]) == 2 * (3 * 2 + 2)
+    assert {r["kv_schedule"] for r in doc["results"]} == {"ring", "direct", "allgather"}
+    assert {r["strategy"] for r in doc["results"] if r["kv_schedule"] == "allgather"} == {"step0", "post-merge"}
     for row in doc["results"]:
         assert keys <= set(row)
     bug = [r for r in doc["results"] if r["strategy"] == "every-tile"]

@@ -114,6 +114,23 @@ def test_ring_schedule_on_gpu_tiles_matches_the_reference_with_both_strategies(g
         assert compare(a, results[SinkStrategy.POST_MERGE].named()[name], tol).passed, name
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("mask,window", [("causal", None), ("no_mask", None), ("causal", (128, 0))])
+@pytest.mark.parametrize("softmax_type", ["vanilla", "learnable"])
+def test_the_allgather_schedule_on_gpu_tiles_matches_the_reference(gpu_kernel, cp, mask, window, softmax_type):
+    """One step over the gathered sequence: each chunk against all its keys in one tile (a causal
+    chunk's tile is wider than tall, its mask aligned to the bottom-right corner)."""
+    spec = make_spec(softmax_type, mask, window, "bshd")
+    x = make_inputs(Shape(b=2, s=1024, h=8, g=2, d=64), spec, seed=cp).to("cuda", torch.bfloat16)
+    ref = reference(x.to("cuda", torch.float64), spec)
+    tol = tolerance_for(torch.bfloat16, gqa=True)
+    for strategy in (SinkStrategy.STEP0, SinkStrategy.POST_MERGE):
+        run = emulate_ring(x, spec, cp, strategy, kernel=gpu_kernel, kv_schedule="allgather")
+        assert run.kv_schedule.value == "allgather"
+        for name, want in ref.named().items():
+            assert compare(run.result.named()[name], want, tol).passed, (strategy, name)
+
+
 def test_a_warm_ring_builds_no_graph_and_standard_masks_are_never_refused(cudnn_kernel):
     spec = make_spec("learnable", "causal", None, "bshd")
     x = make_inputs(Shape(b=1, s=2048, h=8, g=8, d=128), spec, seed=1).to("cuda", torch.bfloat16)
@@ -394,3 +411,24 @@ def test_a_pack_on_fa4_runs_each_step_as_one_varlen_call_and_matches_the_referen
             assert compare(got.named()[name], want, tol).passed, (strategy, name)
     if window is None:   # whole tiles: every group of documents went to FA4 as one call
         assert fa4_kernel._varlen
+
+
+@pytest.mark.parametrize("cp,docs", [(2, [512, 1536, 2048]), (4, [256, 2048, 768, 1024])])
+@pytest.mark.parametrize("mask,window", [("causal", None), ("no_mask", None), ("causal", (127, 0))])
+@pytest.mark.parametrize("softmax_type", ["vanilla", "learnable"])
+def test_a_pack_under_allgather_on_fa4_is_two_varlen_calls_and_matches_the_reference(fa4_kernel, cp, docs, mask,
+                                                                                     window, softmax_type):
+    """Every document's first chunks against their keys as one varlen call, then the second
+    chunks (one call in all without a mask), each tile's mask aligned to its bottom-right corner."""
+    spec = make_spec(softmax_type, mask, window, "thd", [0, *torch.tensor(docs).cumsum(0).tolist()])
+    x = make_inputs(Shape(1, sum(docs), 8, 2, 64), spec, seed=cp).to("cuda", torch.bfloat16)
+    ref = reference(x.to("cuda", torch.float64), spec)
+    tol = tolerance_for(torch.bfloat16, gqa=True)
+    fa4_kernel._varlen.clear()
+    for strategy in (SinkStrategy.STEP0, SinkStrategy.POST_MERGE):
+        got = emulate_ring(x, spec, cp, strategy, kernel=fa4_kernel, kv_schedule="allgather").result
+        for name, want in ref.named().items():
+            assert compare(got.named()[name], want, tol).passed, (strategy, name)
+    if window is None:   # one varlen index per group: two per rank under causal; without a mask one group,
+        # every document's rows against its whole keys, the same on every rank
+        assert len(fa4_kernel._varlen) == (2 * cp if mask == "causal" else 1)

@@ -189,12 +189,13 @@ def test_fa4_varlen_index_tensors_are_made_once_per_group_and_only_the_latest_ke
     q = torch.zeros(1, 2, 40, 8, dtype=torch.bfloat16)
     k = torch.zeros(1, 1, 30, 8, dtype=torch.bfloat16)
     rows, cols = (slice(0, 10), slice(16, 40)), (slice(0, 10), slice(12, 30))
-    args = kernel._varlen_args(q, k, rows, cols, Band())
+    args = kernel._varlen_args(q, k, rows, cols, (Band(), Band()))
     assert args["cu_seqlens_q"].tolist() == [0, 16, 40] and args["seqused_q"].tolist() == [10, 24]
     assert args["cu_seqlens_k"].tolist() == [0, 12, 30] and args["seqused_k"].tolist() == [10, 18]
     assert (args["max_seqlen_q"], args["max_seqlen_k"], args["causal"]) == (24, 18, False)
-    assert kernel._varlen_args(q, k, rows, cols, Band())["cu_seqlens_q"] is args["cu_seqlens_q"]   # made once
+    again = kernel._varlen_args(q, k, rows, cols, (Band(), Band()))
+    assert again["cu_seqlens_q"] is args["cu_seqlens_q"]   # made once
     for n in range(1, 4):                                   # three other groups: the first one is dropped
-        kernel._varlen_args(q, k, (slice(0, n), slice(16, 40)), (slice(0, n), slice(12, 30)), Band())
+        kernel._varlen_args(q, k, (slice(0, n), slice(16, 40)), (slice(0, n), slice(12, 30)), (Band(), Band()))
     assert len(kernel._varlen) == 3
-    assert kernel._varlen_args(q, k, rows, cols, Band())["cu_seqlens_q"] is not args["cu_seqlens_q"]
+    assert kernel._varlen_args(q, k, rows, cols, (Band(), Band()))["cu_seqlens_q"] is not args["cu_seqlens_q"]

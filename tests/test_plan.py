@@ -145,7 +145,7 @@ def test_parts_hold_every_later_tile_until_its_merge(cp, chunk, band, parts):
         assert plan.accumulates == (merges > 1)
 
 
-@pytest.mark.parametrize("kind", [KVSchedule.RING, KVSchedule.DIRECT])
+@pytest.mark.parametrize("kind", [KVSchedule.RING, KVSchedule.DIRECT, KVSchedule.ALLGATHER])
 @pytest.mark.parametrize("band", [Band(None, 0), Band(), Band(-5, 0), Band(-9, 0), Band(-3, 2)],
                          ids=["causal", "no_mask", "w5", "w9", "two-sided"])
 def test_kv_cover_says_every_held_row_is_read_by_exactly_one_tile(kind, band):
@@ -162,3 +162,59 @@ def test_kv_cover_says_every_held_row_is_read_by_exactly_one_tile(kind, band):
             seen.add(step.kv_cover)
     if kind is KVSchedule.RING and band != Band():
         assert seen == {True, False}   # both answers occur, so the oracle is tested both ways
+
+
+def _pack_truth(docs, band: Band) -> torch.Tensor:
+    """[t, t] visibility of a pack: ``band`` inside each document, nothing across."""
+    t = sum(docs)
+    truth = torch.zeros(t, t, dtype=torch.bool)
+    at = 0
+    for n in docs:
+        m = band.mask(n, n)
+        truth[at:at + n, at:at + n] = True if m is None else m
+        at += n
+    return truth
+
+
+@pytest.mark.parametrize("cp,docs", [(1, [4]), (2, [12]), (3, [6, 18, 12]), (4, [8, 24, 16, 8]), (5, [30, 10])])
+@pytest.mark.parametrize("band", BANDS, ids=str)
+def test_the_allgather_plan_meets_every_visible_pair_once_in_one_tile_per_row(cp, docs, band):
+    """``allgather``: one step over the whole sequence; every (row, key) pair a document's band lets
+    through is in exactly one tile, every local row is in exactly one tile (which carries its sink:
+    nothing to merge), and a chunk's keys are one range of the sequence."""
+    chunks = tuple(n // (2 * cp) for n in docs)
+    truth = _pack_truth(docs, band)
+    for rank in range(cp):
+        plan = ring_plan(cp, rank, chunks, band, KVSchedule.ALLGATHER)
+        (step,) = plan.steps
+        assert step.gathered and step.held == (slice(0, sum(docs)),) and step.merges == 0 and plan.parts == 0
+        q_pos = global_rows(cp, rank, chunks)
+        covered = torch.zeros(len(q_pos), sum(docs), dtype=torch.int64)
+        rows_seen = torch.zeros(len(q_pos), dtype=torch.int64)
+        for tile in step.tiles:
+            assert tile.sink and tile.part == -1
+            nq, nk = tile.q_rows.stop - tile.q_rows.start, tile.kv_rows.stop - tile.kv_rows.start
+            vis = tile.band.mask(nq, nk)
+            vis = torch.ones(nq, nk, dtype=torch.bool) if vis is None else vis
+            rows = torch.arange(tile.q_rows.start, tile.q_rows.stop)
+            covered[rows[:, None], torch.arange(tile.kv_rows.start, tile.kv_rows.stop)[None, :]] += vis.long()
+            rows_seen[rows] += 1
+        assert torch.equal(covered, truth[q_pos].long()), f"rank {rank}"
+        assert torch.equal(rows_seen, torch.ones_like(rows_seen))
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_an_allgather_pack_is_two_varlen_calls_under_causal_and_one_without_a_mask(cp):
+    """The tiles of every document's first chunks share one band from their bottom-right corners
+    (each chunk sees its document's keys up to its own last row), so they are one group; then the
+    second chunks. Without a mask a document's two chunks are one tile and the pack one group. (A
+    one-row chunk is a full tile, which ends a run: its document's tiles would be a call apart.)"""
+    chunks = (3, 7, 2, 5)
+    for rank in range(cp):
+        causal = ring_plan(cp, rank, chunks, Band(None, 0), KVSchedule.ALLGATHER).steps[0]
+        assert [len(g) for g in causal.groups] == [4, 4]
+        assert {t.corner_band for t in causal.tiles} == {Band(None, 0)}
+        assert len({t.band for t in causal.tiles}) > 1 or rank == 0    # the bands themselves differ
+        full = ring_plan(cp, rank, chunks, Band(), KVSchedule.ALLGATHER).steps[0]
+        assert [len(g) for g in full.groups] == [4] and full.kv_cover
+        assert [t.q_rows.stop - t.q_rows.start for t in full.tiles] == [2 * c for c in chunks]

@@ -224,18 +224,21 @@ def test_sink_every_tile_applies_exactly_where_the_emulator_under_it_fails():
     """The preflight's answer agrees with the emulator run under the fault, case by case: a ring of
     one rank (cp 1, or a2a+p2p with cp = --a2a-size, or plain a2a) or a diagonal window hides it."""
     seen = set()
-    for mask, window, fmt, cp, comm in itertools.product(
-            ["causal", "no_mask"], [None, (0, 0), (1, 0), (0, 2)], ["bshd", "thd"], [1, 2, 4], ["p2p", "a2a", "a2a+p2p"]):
+    for mask, window, fmt, cp, comm, kv in itertools.product(
+            ["causal", "no_mask"], [None, (0, 0), (1, 0), (0, 2)], ["bshd", "thd"], [1, 2, 4], ["p2p", "a2a", "a2a+p2p"],
+            ["auto", "allgather"]):
         if (mask == "causal" and window is not None and window[1] != 0) or (comm != "p2p" and cp == 1):
             continue
         s = Settings(softmax=("learnable",), mask=(mask,), window=window, qkv_format=(fmt,), comm=(comm,), ranks=cp,
                      seq_len=32, seqlens=(8, 16, 8) if fmt == "thd" else None, heads=4, kv_heads=4, head_dim=8,
-                     dtype=("fp64",))
+                     dtype=("fp64",), kv_schedule=(kv,))
         case, err = fault_error(Fault.SINK_EVERY_TILE, s, cp, comm)
         applies = preflight.applies(Fault.SINK_EVERY_TILE, case, cp)
-        assert applies == (err > 1e-6), (mask, window, fmt, cp, comm, err)
-        seen.add((applies, preflight.ring_ranks(case, cp) > 1))
-    assert seen == {(True, True), (False, True), (False, False)}   # hidden by one rank, or by the window
+        assert applies == (err > 1e-6), (mask, window, fmt, cp, comm, kv, err)
+        seen.add((applies, preflight.ring_ranks(case, cp) > 1, kv))
+    # hidden by one rank, by the window, or by allgather (each row's keys in one tile)
+    assert seen == {(True, True, "auto"), (False, True, "auto"), (False, False, "auto"), (False, True, "allgather"),
+                    (False, False, "allgather")}
 
 
 @pytest.mark.parametrize("args,message", [

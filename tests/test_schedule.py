@@ -124,6 +124,27 @@ def test_comm_bytes_is_the_schedule_in_cp_ranks_and_auto_takes_the_fewer_bytes()
     assert comm_schedule("auto", 1, 8, Band(None, 0), 1, 1).kind is KVSchedule.RING
 
 
+@pytest.mark.parametrize("cp", [1, 2, 3, 8])
+@pytest.mark.parametrize("name,band", BANDS[:3])
+def test_allgather_sends_every_shard_to_every_rank_once_per_phase(cp, name, band):
+    """Each rank sends its whole K/V shard to every other rank in the forward and again in the
+    backward, and returns each owner its rows of dK/dV, all labelled step 0: the ring's bytes less
+    one dK/dV shard per rank; ``auto`` never takes it."""
+    kv_row, dkv_row = 10, 20
+    shard = 2 * C
+    gather = CommSchedule(KVSchedule.ALLGATHER, cp, C, band)
+    ring = CommSchedule(KVSchedule.RING, cp, C, band)
+    for rank in range(cp):
+        moves = gather.transfers(rank, kv_row, dkv_row)
+        assert {t.step for t in moves} <= {0}
+        want = {(phase, kind, peer): (1, shard * row, 1, shard * row) for peer in range(cp) if peer != rank
+                for phase, kind, row in (("fwd", "kv", kv_row), ("bwd", "kv", kv_row), ("bwd", "dkv", dkv_row))}
+        assert {(t.phase, t.kind, t.peer): t.counts for t in moves} == want
+    if cp > 1:
+        assert gather.total_bytes(kv_row, dkv_row) == ring.total_bytes(kv_row, dkv_row) - cp * shard * dkv_row
+    assert comm_schedule("auto", cp, C, band, kv_row, dkv_row).kind is not KVSchedule.ALLGATHER
+
+
 def test_kv_schedule_errors_name_the_argument():
     with pytest.raises(ValueError, match="kv_schedule='sideways'"):
         sinkprof.comm_bytes(s=64, b=1, h=2, g=2, d=8, dtype=torch.float32, cp=2, kv_schedule="sideways")
@@ -175,12 +196,12 @@ def test_the_emulator_fails_loudly_when_a_tile_reads_a_row_that_was_not_sent():
 
 @pytest.mark.parametrize("cp", [2, 3])
 @pytest.mark.parametrize("window", [None, (3, 0), (5, 0), (9, 0), (4, 3)])
-def test_both_schedules_replay_exactly_in_the_emulator(cp, window):
+def test_every_schedule_replays_exactly_in_the_emulator(cp, window):
     mask = "no_mask" if window == (4, 3) else "causal"
     spec = make_spec("learnable", mask, window, "bshd")
     inputs = make_inputs(Shape(b=1, s=48, h=2, g=1, d=8), spec, seed=cp, with_bias=True)
     ref = reference(inputs, spec)
-    for kv in ("ring", "direct"):
+    for kv in ("ring", "direct", "allgather"):
         for strategy in ("step0", "post-merge"):
             run = emulate_ring(inputs, spec, cp, strategy, kv_schedule=kv)
             assert run.kv_schedule.value == kv

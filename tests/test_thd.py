@@ -212,7 +212,7 @@ def test_direct_bytes_of_a_pack_are_the_rows_its_documents_read(cp):
 def test_the_replayed_ring_of_a_pack_equals_the_reference(cp, docs, softmax, mask, window):
     spec, x = pack_inputs(docs, softmax, mask, window, seed=cp)
     ref = reference(x, spec)
-    for strategy, kind in itertools.product((SinkStrategy.STEP0, SinkStrategy.POST_MERGE), ("ring", "direct")):
+    for strategy, kind in itertools.product((SinkStrategy.STEP0, SinkStrategy.POST_MERGE), ("ring", "direct", "allgather")):
         got = emulate_ring(x, spec, cp, strategy, kv_schedule=kind).result
         for name, want in ref.named().items():
             assert (got.named()[name] - want).abs().max() < 1e-11, (strategy, kind, name)
@@ -241,13 +241,14 @@ def test_the_replayed_a2a_p2p_of_a_pack_equals_the_reference(world, members):
 
 
 @pytest.mark.parametrize("window", [None, (3, 0)])
-def test_the_doc_leak_fault_breaks_the_replay(window):
+@pytest.mark.parametrize("kind", ["direct", "allgather"])
+def test_the_doc_leak_fault_breaks_the_replay(window, kind):
     spec, x = pack_inputs([16, 32], "learnable", "causal", window)
     ref = reference(x, spec)
     with faults.injected(faults.Fault.DOC_LEAK):
-        got = emulate_ring(x, spec, 2, SinkStrategy.STEP0, kv_schedule="direct").result
+        got = emulate_ring(x, spec, 2, SinkStrategy.STEP0, kv_schedule=kind).result
     assert (got.out - ref.out).abs().max() > 1e-3
-    clean = emulate_ring(x, spec, 2, SinkStrategy.STEP0, kv_schedule="direct").result
+    clean = emulate_ring(x, spec, 2, SinkStrategy.STEP0, kv_schedule=kind).result
     assert (clean.out - ref.out).abs().max() < 1e-12
 
 

@@ -146,18 +146,18 @@ def test_batch_one_and_mixed_formats_are_accepted(no_launch):
 def test_doc_leak_applies_exactly_where_the_leaked_keys_are_visible():
     """The preflight's answer agrees with the emulator run under the fault, case by case."""
     seen = set()
-    for mask, window, docs, cp, comm in itertools.product(
+    for mask, window, docs, cp, comm, kv in itertools.product(
             ["causal", "no_mask"], [None, (0, 0), (2, 0), (0, 3)], [(8, 40, 16), (64,), (8, 8, 16, 32)],
-            [2, 4], ["p2p", "a2a", "a2a+p2p"]):
+            [2, 4], ["p2p", "a2a", "a2a+p2p"], ["auto", "allgather"]):
         if mask == "causal" and window is not None and window[1] != 0:
             continue
         s = Settings(softmax=("learnable",), mask=(mask,), window=window, qkv_format=("thd",), seqlens=docs,
-                     comm=(comm,), ranks=cp, heads=4, kv_heads=4, head_dim=8, dtype=("fp64",))
+                     comm=(comm,), ranks=cp, heads=4, kv_heads=4, head_dim=8, dtype=("fp64",), kv_schedule=(kv,))
         case, err = fault_error(Fault.DOC_LEAK, s, cp, comm)
         applies = preflight.applies(Fault.DOC_LEAK, case, cp)
-        assert applies == (err > 1e-6), (mask, window, docs, cp, comm, err)
-        seen.add(applies)
-    assert seen == {True, False}
+        assert applies == (err > 1e-6), (mask, window, docs, cp, comm, kv, err)
+        seen.add((applies, kv))
+    assert seen == {(True, "auto"), (False, "auto"), (True, "allgather"), (False, "allgather")}
 
 
 # ---- emulate: the replay of a pack, in this process ----
@@ -170,7 +170,9 @@ def test_emulate_thd_passes_and_detects_the_every_tile_bug(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["passed"] and doc["docs"] == [16, 40, 8] and doc["shape"]["b"] == 1 and doc["shape"]["s"] == 64
     rows = doc["results"]
-    assert len(rows) == 2 * 2 * 3 * 2       # cp x mask x strategy x kv schedule
+    # cp x mask x (strategy x kv schedule, less every-tile under allgather: one tile per row there)
+    assert len(rows) == 2 * 2 * (3 * 3 - 1)
+    assert {r["kv_schedule"] for r in rows} == {"ring", "direct", "allgather"}
     assert {(r["qkv_format"], r["docs"]) for r in rows} == {("thd", "16,40,8")}
     for r in rows:
         if r["strategy"] == "every-tile":

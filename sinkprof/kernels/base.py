@@ -48,14 +48,15 @@ class TileKernel(Protocol):
     def rows_backward(self, state: "BackwardState", *, scale: float, tiles, biased: bool) -> "RowsBackward":
         """The backward of one rank's rows over ``tiles`` (every ``plan.Tile`` it will be given)."""
 
-    def forward_group(self, q, k, v, rows: tuple[slice, ...], cols: tuple[slice, ...], band: Band, sink,
-                      scale: float, *, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Several tiles of one band at once (``plan.Step.groups``, a pack's documents): tile i is
-        rows ``rows[i]`` of ``q`` against rows ``cols[i]`` of ``k``, ``v``; each writes its rows of
-        ``o`` ``[b, h, n, d]`` and ``lse`` ``[b, h, n]`` (into ``out``, ``lse`` when given)."""
+    def forward_group(self, q, k, v, rows: tuple[slice, ...], cols: tuple[slice, ...], bands: tuple[Band, ...],
+                      sink, scale: float, *, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several tiles at once (``plan.Step.groups``, a pack's documents; one band seen from each
+        tile's bottom-right corner): tile i is rows ``rows[i]`` of ``q`` against rows ``cols[i]`` of
+        ``k``, ``v`` with band ``bands[i]``; each writes its rows of ``o`` ``[b, h, n, d]`` and
+        ``lse`` ``[b, h, n]`` (into ``out``, ``lse`` when given)."""
 
     def backward_group(self, q, k, v, o, grad_out, lse, rows: tuple[slice, ...], cols: tuple[slice, ...],
-                       band: Band, sink, scale: float) -> TileGrads:
+                       bands: tuple[Band, ...], sink, scale: float) -> TileGrads:
         """The backward of ``forward_group``'s tiles: dq ``[b, h, n, d]`` valid on ``rows``, dK, dV
         ``[b, g, n_kv, d]`` valid on ``cols``, and the rows' sink gradient."""
 
@@ -79,7 +80,7 @@ class RowsBackward(Protocol):
         its dq goes to the rows' dq (``first``: the rows' first tile, nothing to add to yet), so
         the returned ``dq`` may be None."""
 
-    def group(self, rows: tuple[slice, ...], k, v, cols: tuple[slice, ...], band: Band, sink, *,
+    def group(self, rows: tuple[slice, ...], k, v, cols: tuple[slice, ...], bands: tuple[Band, ...], sink, *,
               first: bool) -> TileGrads:
         """A group of tiles at once (``TileKernel.backward_group``): dK, dV valid on ``cols``."""
 
@@ -107,9 +108,9 @@ class TileRowsBackward:
             dq += grads.dq
         return grads
 
-    def group(self, rows, k, v, cols, band: Band, sink, *, first: bool) -> TileGrads:
+    def group(self, rows, k, v, cols, bands, sink, *, first: bool) -> TileGrads:
         s = self.state
-        grads = self.kernel.backward_group(s.q, k, v, s.out, s.grad_out, s.lse, rows, cols, band, sink, self.scale)
+        grads = self.kernel.backward_group(s.q, k, v, s.out, s.grad_out, s.lse, rows, cols, bands, sink, self.scale)
         add_rows_(self.acc, grads.dq, rows, write=first)
         return grads
 
@@ -125,22 +126,22 @@ class TileByTile:
     def rows_backward(self, state: BackwardState, *, scale: float, tiles, biased: bool) -> TileRowsBackward:
         return TileRowsBackward(self, state, scale)
 
-    def forward_group(self, q, k, v, rows, cols, band: Band, sink, scale: float, *, out=None, lse=None):
+    def forward_group(self, q, k, v, rows, cols, bands, sink, scale: float, *, out=None, lse=None):
         if out is None:
             out = torch.empty_like(q)
             lse = torch.empty(q.shape[:3], dtype=accum_dtype(q.dtype), device=q.device)
-        for r, c in zip(rows, cols):
+        for r, c, band in zip(rows, cols, bands):
             self.forward(q[:, :, r], k[:, :, c], v[:, :, c], band, sink, None, scale, out=out[:, :, r],
                          lse=lse[:, :, r])
         return out, lse
 
-    def backward_group(self, q, k, v, o, grad_out, lse, rows, cols, band: Band, sink, scale: float) -> TileGrads:
+    def backward_group(self, q, k, v, o, grad_out, lse, rows, cols, bands, sink, scale: float) -> TileGrads:
         acc = accum_dtype(q.dtype)
         dq = torch.empty(q.shape, dtype=acc, device=q.device)
         dk = torch.empty(k.shape, dtype=acc, device=k.device)
         dv = torch.empty(v.shape, dtype=acc, device=v.device)
         d_sink = None if sink is None else torch.zeros_like(sink)
-        for r, c in zip(rows, cols):
+        for r, c, band in zip(rows, cols, bands):
             part = self.backward(q[:, :, r], k[:, :, c], v[:, :, c], o[:, :, r], grad_out[:, :, r], lse[:, :, r],
                                  band, sink, None, scale)
             dq[:, :, r], dk[:, :, c], dv[:, :, c] = part.dq, part.dk, part.dv

@@ -207,12 +207,12 @@ class FA4Tiles(TileByTile):
 
     # -- groups of tiles as one varlen call ---------------------------------------------------
 
-    def _varlen_args(self, q, k, rows, cols, band) -> Optional[dict]:
+    def _varlen_args(self, q, k, rows, cols, bands) -> Optional[dict]:
         """FA4's varlen arguments for a group, or None when it must run tile by tile."""
         if q.dtype not in IO_DTYPES or q.shape[0] != 1:
             return None
         windows = set()
-        for r, c in zip(rows, cols):
+        for r, c, band in zip(rows, cols, bands):
             n_q, n_kv = r.stop - r.start, c.stop - c.start
             trimmed = trim_band(band, n_q, n_kv)
             if trimmed is None or trimmed[:2] != (slice(0, n_q), slice(0, n_kv)):
@@ -237,10 +237,10 @@ class FA4Tiles(TileByTile):
                 self._varlen.popitem(last=False)
         return dict(self._varlen[key], causal=causal, window_size_left=left, window_size_right=right)
 
-    def forward_group(self, q, k, v, rows, cols, band, sink, scale, *, out=None, lse=None):
-        varlen = self._varlen_args(q, k, rows, cols, band)
+    def forward_group(self, q, k, v, rows, cols, bands, sink, scale, *, out=None, lse=None):
+        varlen = self._varlen_args(q, k, rows, cols, bands)
         if varlen is None:
-            return super().forward_group(q, k, v, rows, cols, band, sink, scale, out=out, lse=lse)
+            return super().forward_group(q, k, v, rows, cols, bands, sink, scale, out=out, lse=lse)
         if out is None:
             out = empty_bshd(q, q.shape[2])
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -250,10 +250,10 @@ class FA4Tiles(TileByTile):
                                  **varlen)
         return out, lse
 
-    def backward_group(self, q, k, v, o, grad_out, lse, rows, cols, band, sink, scale):
-        varlen = self._varlen_args(q, k, rows, cols, band)
+    def backward_group(self, q, k, v, o, grad_out, lse, rows, cols, bands, sink, scale):
+        varlen = self._varlen_args(q, k, rows, cols, bands)
         if varlen is None:
-            return super().backward_group(q, k, v, o, grad_out, lse, rows, cols, band, sink, scale)
+            return super().backward_group(q, k, v, o, grad_out, lse, rows, cols, bands, sink, scale)
         dq, dk, dv = empty_bshd(q, q.shape[2]), empty_bshd(k, k.shape[2]), empty_bshd(v, v.shape[2])
         with _program_name_only():
             grads = _fa4._flash_attn_bwd(_bshd(q)[0], _bshd(k)[0], _bshd(v)[0], _bshd(o)[0], _bshd(grad_out)[0],

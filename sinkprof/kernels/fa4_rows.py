@@ -173,11 +173,11 @@ class FA4RowsBackward:
             d_sink = d_sink.reshape(sink.shape).to(sink.dtype)
         return TileGrads(None, _bshd(dk), _bshd(dv), d_sink, None)
 
-    def group(self, rows, k, v, cols, band, sink, *, first: bool) -> TileGrads:
+    def group(self, rows, k, v, cols, bands, sink, *, first: bool) -> TileGrads:
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         d_sink = None
-        for r, c in zip(rows, cols):
+        for r, c, band in zip(rows, cols, bands):
             part = self.tile(r, k[:, :, c], v[:, :, c], band, sink, None, first=first)
             dk[:, :, c], dv[:, :, c] = part.dk, part.dv
             d_sink = part.d_sink if d_sink is None else d_sink + part.d_sink

@@ -64,6 +64,9 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
             inputs = make_inputs(fmt_shape, spec, seed)
             ref = reference(inputs, spec)
             for strategy, kv in itertools.product(strategies, schedules):
+                if strategy is SinkStrategy.EVERY_TILE and not sink_counted_again(spec, fmt_shape.s, cp // (a2a_size or 1),
+                                                                                  kv):
+                    continue   # each row's keys in one tile (allgather): the bug cannot change a result
                 run = (emulate_ring(inputs, spec, cp, strategy, kv_schedule=kv) if a2a_size is None else
                        emulate_hierarchical(inputs, spec, cp, a2a_size, strategy, kv_schedule=kv))
                 got = run.result
@@ -84,13 +87,20 @@ def replay_spec(fmt: QKVFormat, mask, window, docs: tuple) -> AttnSpec:
     return make_spec(SoftmaxType.LEARNABLE, mask, window, fmt, cu)
 
 
-def check_every_tile(strategies, cps, a2a_size: Optional[int], masks, window, formats, s: int, docs: tuple) -> None:
+def check_every_tile(strategies, cps, a2a_size: Optional[int], masks, window, formats, s: int, docs: tuple,
+                     schedules=(KVSchedule.AUTO,)) -> None:
     """``--strategy every-tile`` replays the bug the run must detect, so each of its rows must be
     able to fail: refuse a cp, mask or layout whose ring tiles see each row once (a ring of one
     rank, or a diagonal window), where the sink counted once per tile is still counted once
-    (``preflight.sink_counted_again``, which also says where ``check --inject sink-every-tile`` applies)."""
+    (``preflight.sink_counted_again``, which also says where ``check --inject sink-every-tile`` applies).
+    Under ``allgather`` every row's keys are one tile: its every-tile rows are left out, and a run
+    of allgather alone is refused."""
     if SinkStrategy.EVERY_TILE not in strategies:
         return
+    if all(KVSchedule.parse(k, "--kv-schedule") is KVSchedule.ALLGATHER for k in schedules):
+        raise ValueError("--strategy every-tile: --kv-schedule allgather gives each row's keys one tile, so the bug "
+                         "(the sink counted once per tile) cannot change a result; add ring or direct to "
+                         "--kv-schedule, or leave every-tile out (--strategy step0,post-merge)")
     members = a2a_size or 1
     for fmt, mask, cp in itertools.product(formats, masks, cps):
         ring = cp // members
@@ -152,7 +162,7 @@ def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: in
             except ValueError:
                 raise ValueError(f"--a2a-size {members} must divide every --cp, and --cp {n} is not a multiple of it; "
                                  f"give --cp multiples of {members} or a smaller --a2a-size") from None
-    check_every_tile(strategies, cps, members, masks, pair, formats, shape.s, docs)
+    check_every_tile(strategies, cps, members, masks, pair, formats, shape.s, docs, schedules)
     rows = emulate(cps, masks, strategies, shape, seed, pair, members, schedules, formats, docs)
     ok = all(r.ok for r in rows)
     sizes = [f"b={shape.b} s={shape.s}"] if set(formats) != {QKVFormat.THD} else []

@@ -45,7 +45,8 @@ def applies(fault: Fault, case: Case, ranks: int) -> bool:
     """Whether ``fault`` changes anything in ``case`` (a fault that cannot, proves nothing)."""
     learnable = case.softmax is SoftmaxType.LEARNABLE
     if fault is Fault.SINK_EVERY_TILE:
-        return case.softmax.has_sink and sink_counted_again(case.spec(), case.shape.s, ring_ranks(case, ranks))
+        return case.softmax.has_sink and sink_counted_again(case.spec(), case.shape.s, ring_ranks(case, ranks),
+                                                            _ring_schedule(case, ranks))
     if fault is Fault.NO_SINK_REDUCE:
         return (learnable or case.bias) and ranks > 1
     if fault is Fault.ALIASED_REFERENCE:
@@ -72,12 +73,22 @@ def ring_ranks(case: Case, ranks: int) -> int:
     return ranks // a2a_members(case.comm, ranks, case.a2a_size)
 
 
-def sink_counted_again(spec: AttnSpec, s: int, ring: int) -> bool:
+def _ring_schedule(case: Case, ranks: int) -> KVSchedule:
+    """The K/V schedule ``case``'s ring runs (``auto`` resolved; ``ring`` where there is no ring)."""
+    from .check import case_traffic
+    schedule = case_traffic(case, ranks).schedule
+    return KVSchedule.RING if schedule is None else schedule.kind
+
+
+def sink_counted_again(spec: AttnSpec, s: int, ring: int, kv_schedule=KVSchedule.RING) -> bool:
     """Whether the every-tile bug can change a result on a ring of ``ring`` ranks: some rank has a
     row that a second tile sees (the bug counts that row's sink again). Not on a one-rank ring (its
-    one step is one tile per document), nor under a window that sees no key beyond the own chunk."""
+    one step is one tile per document), nor under a window that sees no key beyond the own chunk,
+    nor under ``allgather`` (each row's keys are one tile). ``auto`` has the tiles of ``ring``."""
+    kind = KVSchedule.parse(kv_schedule, "kv_schedule")
+    kind = KVSchedule.RING if kind is KVSchedule.AUTO else kind
     chunks = spec.chunks(s, ring)
-    return any(not tile.sink for rank in range(ring) for step in ring_plan(ring, rank, chunks, spec.band).steps
+    return any(not tile.sink for rank in range(ring) for step in ring_plan(ring, rank, chunks, spec.band, kind).steps
                for tile in step.tiles)
 
 
@@ -91,8 +102,9 @@ def _doc_leak_shows(case: Case, ranks: int) -> bool:
     spec = case.spec()
     chunks = spec.chunks(case.shape.s, ring)
     leak = Injected(Fault.DOC_LEAK)
+    kind = _ring_schedule(case, ranks)
     for rank in range(ring):
-        plan = ring_plan(ring, rank, chunks, spec.band)
+        plan = ring_plan(ring, rank, chunks, spec.band, kind)
         for tile, leaked in zip(plan.steps[0].tiles, leak.ring_plan(plan).steps[0].tiles):
             n_q = tile.q_rows.stop - tile.q_rows.start
             seen = tile.band.count(n_q, tile.kv_rows.stop - tile.kv_rows.start)
@@ -106,7 +118,8 @@ RING_OF_TWO = "--comm p2p with --ranks >= 2, or --comm a2a+p2p with --ranks >= 2
 
 WHAT_IT_NEEDS = {
     Fault.SINK_EVERY_TILE: (f"a sink (--softmax off-by-one or learnable) and a row that two ring tiles see: a ring of "
-                            f"two ranks or more ({RING_OF_TWO}) and a window wider than the diagonal, or none"),
+                            f"two ranks or more ({RING_OF_TWO}), a window wider than the diagonal, or none, and "
+                            f"--kv-schedule ring, direct or auto (allgather gives each row one tile)"),
     Fault.NO_SINK_REDUCE: "a replicated gradient (--softmax learnable or --bias) and --ranks >= 2",
     Fault.ALIASED_REFERENCE: "a learnable offset (--softmax learnable)",
     Fault.VANILLA_FALLBACK: "a sink (--softmax off-by-one or learnable)",
