@@ -206,9 +206,9 @@ class RankRing:
 
 
 def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d, rows_path=True) -> RankRing:
-    """One rank's whole schedule into preallocated buffers (the ring K/V schedule: every step
-    reads its owner's whole shard in place, no gather); ``rows_path``: FA4's backward keeps dq
-    across tiles (False: tile by tile)."""
+    """One rank's whole schedule into preallocated buffers (every step reads its owner's shard in
+    place; under allgather the sequence is put together once, before the timed calls);
+    ``rows_path``: FA4's backward keeps dq across tiles (False: tile by tile)."""
     plan = schedule.plans[rank]
     b, h = qh.shape[:2]
     opts = CPOptions(make_spec(softmax, mask, None, "bshd"), d ** -0.5, kernel, strategy)
@@ -221,15 +221,16 @@ def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, 
     dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
     fwd_state = ForwardState.make(plan, qh, out, lse)
     bwd_state = BackwardState(qh, out, dol, lse, dq)
+    # made once: under allgather the K/V in sequence order are gathered at the first call, not timed
+    kv_fwd, kv_bwd = LocalKV(ks, vs, schedule, rank, "fwd"), LocalKV(ks, vs, schedule, rank, "bwd")
 
     def fwd():
-        run_forward(plan, LocalKV(ks, vs, schedule, rank, "fwd"), state=fwd_state, sink=a, bias=None, opts=opts)
+        run_forward(plan, kv_fwd, state=fwd_state, sink=a, bias=None, opts=opts)
 
     def bwd():
         if kernel.name == "fa4":
             kernel.rows_path = rows_path
-        run_backward(plan, LocalKV(ks, vs, schedule, rank, "bwd"), LocalDKV(dks, dvs), state=bwd_state, sink=a,
-                     bias=None, opts=opts)
+        run_backward(plan, kv_bwd, LocalDKV(dks, dvs, schedule), state=bwd_state, sink=a, bias=None, opts=opts)
     return RankRing(fwd, bwd, out, dq, dks, dvs)
 
 
@@ -282,11 +283,21 @@ class _Ctx:
         self.saved_tensors = tensors
 
 
-def _comm_ring_fns(kernel, cp: int, rank: int, q, k, v, do, sink, softmax, strategy, mask, d) -> RankRing:
-    """One rank's forward and backward through the ring's own code, ``P2PAttention`` with the
-    default K/V schedule, over a ``Loopback`` communicator: what ``cp_attention`` runs on a rank,
-    but for the link. ``q``, ``k``, ``v``, ``do``: this rank's ``[b, 2c, h|g, d]`` shards."""
-    opts = CPOptions(make_spec(softmax, mask, None, "bshd"), d ** -0.5, kernel, strategy)
+def _spec(softmax: str, mask: str, cu_seqlens=None):
+    """A sequence's spec (bshd), or a pack's (thd with ``cu_seqlens``, seen as one bshd sequence)."""
+    if cu_seqlens is None:
+        return make_spec(softmax, mask, None, "bshd")
+    return make_spec(softmax, mask, None, "thd", cu_seqlens).batched()
+
+
+def _comm_ring_fns(kernel, schedule: CommSchedule, rank: int, q, k, v, do, sink, softmax, strategy, mask, d,
+                   cu_seqlens=None) -> RankRing:
+    """One rank's forward and backward through the ring's own code, ``P2PAttention`` under
+    ``schedule``'s K/V schedule, over a ``Loopback`` communicator: what ``cp_attention`` runs on a
+    rank, but for the link. ``q``, ``k``, ``v``, ``do``: this rank's ``[b, 2c, h|g, d]`` shards
+    (a pack: ``b = 1`` and its ``cu_seqlens``)."""
+    opts = CPOptions(_spec(softmax, mask, cu_seqlens), d ** -0.5, kernel, strategy, kv_schedule=schedule.kind)
+    cp = schedule.cp
     comm = Loopback(rank, cp, q.device)
     offset = sink if softmax == "learnable" else None
     ctx = _Ctx()
@@ -317,13 +328,13 @@ def _timed(fns: dict, calls: int = 2, rounds: int = 15) -> tuple[dict, str]:
 
 
 def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sink, mask: str, d: int,
-                 profile: Optional[str] = None) -> list:
+                 profile: Optional[str] = None, cu_seqlens=None) -> list:
     """Per name (a backend; ``fa4-per-tile``: FA4 with its backward tile by tile; a backend and
     ``+comm``: the ring's own code over a ``Loopback`` communicator) and variant of ``RUNS``: the
     slowest (forward + backward) of ``ranks``, each running its whole schedule, the variants
     interleaved. ``shards(rank)``: that rank's (q, dO) as ``[b, h, 2c, d]`` views; ``ks``,
     ``vs``: every rank's K/V the same way. ``profile``: print the kernels of rank cp-1's learnable
-    step0 ring under this title."""
+    step0 ring under this title. ``cu_seqlens``: a pack's boundaries."""
     cp = schedule.cp
     rows = []
     for name in names:
@@ -337,8 +348,9 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
             for softmax, strategy in RUNS:
                 variant = f"{softmax} {strategy.value}"
                 if name.endswith("+comm"):
-                    ring = _comm_ring_fns(kernel, cp, rank, *(x.transpose(1, 2) for x in (qh, ks[rank], vs[rank], dol)),
-                                          sink, softmax, strategy, mask, d)
+                    ring = _comm_ring_fns(kernel, schedule, rank,
+                                          *(x.transpose(1, 2) for x in (qh, ks[rank], vs[rank], dol)),
+                                          sink, softmax, strategy, mask, d, cu_seqlens)
                 else:
                     ring = _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d,
                                      rows_path=not name.endswith("-per-tile"))
@@ -350,7 +362,8 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
             timed, timing = _timed(fns)
             for softmax, strategy in RUNS:
                 variant = f"{softmax} {strategy.value}"
-                row = dict(backend=name, cp=cp, mask=mask, variant=variant, rank=rank, flops=flops,
+                row = dict(backend=name, kv_schedule=schedule.kind.value, cp=cp, mask=mask, variant=variant,
+                           rank=rank, flops=flops,
                            fwd_ms=timed[variant + " fwd"]["ms"], bwd_ms=timed[variant + " bwd"]["ms"],
                            host_us_per_step_eager=host[variant], timing=timing)
                 best = slowest.get(variant)
@@ -375,9 +388,10 @@ def with_rates(rows: list, total: int, mono_ms: dict, mono: str = "fa4") -> list
     return rows
 
 
-def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list) -> dict:
-    """The slowest of ranks 0, cp/2, cp-1 per backend and variant, against FA4 monolithic;
-    ``names``: backends, and ``fa4-per-tile`` (FA4 with its backward tile by tile)."""
+def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, kinds=(KVSchedule.RING,)) -> dict:
+    """The slowest of ranks 0, cp/2, cp-1 per backend, variant and K/V schedule (``kinds``),
+    against FA4 monolithic; ``names``: backends, and ``fa4-per-tile`` (FA4 with its backward tile
+    by tile)."""
     s = s_rank * cp
     gen = torch.Generator(device="cuda").manual_seed(1)
     q, do = _rand(gen, b, s, h, d), _rand(gen, b, s, h, d)
@@ -392,12 +406,12 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list) ->
     mono_ms = interleaved_ms(mono, calls=2, rounds=15)
     ks = [shard(k, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]
     vs = [shard(v, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]
-    schedule = CommSchedule(KVSchedule.RING, cp, s // (2 * cp), band)
-
     def shards(rank):
         return shard(q, cp, rank, 1).permute(0, 2, 1, 3), shard(do, cp, rank, 1).permute(0, 2, 1, 3)
-    rows = slowest_rank(names, schedule, sorted({0, cp // 2, cp - 1}), shards, ks, vs, sink, mask, d,
-                        profile=f"cp={cp} {mask}" if profile else None)
+    rows = []
+    for kind in kinds:
+        rows += slowest_rank(names, CommSchedule(kind, cp, s // (2 * cp), band), sorted({0, cp // 2, cp - 1}), shards,
+                             ks, vs, sink, mask, d, profile=f"cp={cp} {mask} {kind.value}" if profile else None)
     return {"cp": cp, "shape": dict(b=b, h=h, g=g, s=s, d=d), "mask": mask, "rows": with_rates(rows, total, mono_ms)}
 
 
@@ -435,7 +449,7 @@ class Pack:
     v: torch.Tensor
     do: torch.Tensor            # [t, h, d]
     sink: torch.Tensor          # [1, h, 1, 1] fp32
-    schedule: CommSchedule      # the ring K/V schedule over the documents' chunks
+    schedule: CommSchedule      # the ring K/V schedule over the documents' chunks (``pack_bench`` may run others)
     ks: list                    # every rank's K shard, [1, g, 2 sum(chunks), d] (bhsd views of bshd storage)
     vs: list
 
@@ -490,10 +504,11 @@ def fa4_varlen(p: Pack, sink, scale: float):
             lambda: _flash_attn_bwd(p.q, p.k, p.v, o, p.do, lse, **kw))
 
 
-def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names: list) -> dict:
-    """The slowest of ranks 0, cp/2, cp-1 per backend and variant on a pack (causal within each
-    document), against FA4's varlen monolithic call on the same pack; FLOPs on both sides are the
-    documents' own causal work."""
+def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names: list,
+               kinds=(KVSchedule.RING,)) -> dict:
+    """The slowest of ranks 0, cp/2, cp-1 per backend, variant and K/V schedule (``kinds``) on a
+    pack (causal within each document), against FA4's varlen monolithic call on the same pack;
+    FLOPs on both sides are the documents' own causal work."""
     p = pack_setup(cp, h, g, d, docs, "cuda")
     mono = {}
     if "fa4" in backends():
@@ -503,9 +518,12 @@ def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names
     for name, r in mono_ms.items():   # in the log before the ring runs, should the step be stopped
         rate = p.flops * (BWD_FLOPS if name.endswith("bwd") else 1) / r["ms"] / 1e9
         print(f"{name}: {r['ms']:.3f} ms, {rate:.1f} TFLOP/s ({timing})")
-    names = [n for n in names if not n.endswith("+comm")]   # the loopback ring runs sequences, not packs
-    rows = slowest_rank(names, p.schedule, sorted({0, cp // 2, cp - 1}), p.shards, p.ks, p.vs, p.sink, PACK_MASK,
-                        d, profile=f"pack cp={cp}" if profile else None)
+    cu = [0, *itertools.accumulate(docs)]
+    rows = []
+    for kind in kinds:
+        schedule = CommSchedule(kind, cp, p.schedule.chunks, p.schedule.band)
+        rows += slowest_rank(names, schedule, sorted({0, cp // 2, cp - 1}), p.shards, p.ks, p.vs, p.sink, PACK_MASK,
+                             d, profile=f"pack cp={cp} {kind.value}" if profile else None, cu_seqlens=cu)
     return {"cp": cp, "shape": dict(t=sum(docs), h=h, g=g, d=d), "docs": list(docs), "mask": PACK_MASK,
             "flops": p.flops, "fa4_varlen_ms": mono_ms, "fa4_varlen_timing": timing,
             "rows": with_rates(rows, p.flops, mono_ms, mono="fa4 varlen")}
@@ -539,7 +557,8 @@ def _print_rows(rows: list, against: str) -> None:
     for row in rows:
         eff = (f" | vs {against} fwd {row['fwd_vs_fa4_mono']:.3f} bwd {row['bwd_vs_fa4_mono']:.3f}"
                if "fwd_vs_fa4_mono" in row else "")
-        print(f"{row['backend']:12s} {row['variant']:21s} rank {row['rank']}: fwd {row['fwd_tflops']:6.1f} "
+        print(f"{row['backend']:12s} {row['kv_schedule']:9s} {row['variant']:21s} rank {row['rank']}: "
+              f"fwd {row['fwd_tflops']:6.1f} "
               f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step")
 
 
@@ -564,6 +583,8 @@ def parse_args(argv=None):
     ap.add_argument("--s-rank", type=int, default=8192, help="tokens per rank in the ring benchmarks")
     ap.add_argument("--rings", default="h16-d128:2,4,8;gpt-oss:2,4,8", help=f"configs from {sorted(CONFIGS)}")
     ap.add_argument("--masks", default="causal,no_mask")
+    ap.add_argument("--kv-schedules", default="ring", help="K/V schedules of the ring and pack benchmarks: ring, "
+                    "direct, allgather (comma list)")
     ap.add_argument("--ring-backends", default=None,
                     help="backends of the ring and pack benchmarks, fa4-per-tile, and BACKEND+comm: the ring's "
                          "own code over a loopback communicator, rings only (default: every backend here, and "
@@ -580,6 +601,9 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     try:
         args.pack_cases = pack_cases(args)
+        args.kinds = [KVSchedule.parse(k, "--kv-schedules") for k in args.kv_schedules.split(",")]
+        if KVSchedule.AUTO in args.kinds:
+            raise ValueError("--kv-schedules: name ring, direct or allgather (auto is one of the first two)")
     except ValueError as exc:
         ap.error(str(exc))
     return args
@@ -608,14 +632,14 @@ def main() -> None:
         h, g, d = CONFIGS[name]
         for cp in cps:
             for mask in args.masks.split(","):
-                r = ring_bench(cp, 1, h, g, args.s_rank, d, mask, args.profile_step, ring_names)
+                r = ring_bench(cp, 1, h, g, args.s_rank, d, mask, args.profile_step, ring_names, args.kinds)
                 report["rings"].append(r | {"config": name})
                 print(f"\n## ring {name} cp={cp} s={r['shape']['s']} {mask}: slowest rank's schedule, TFLOP/s "
                       "(and against FA4 monolithic)")
                 _print_rows(r["rows"], "FA4 mono")
     for name, cp, docs in args.pack_cases:
         h, g, d = CONFIGS[name]
-        r = pack_bench(cp, h, g, d, docs, args.profile_step, ring_names)
+        r = pack_bench(cp, h, g, d, docs, args.profile_step, ring_names, args.kinds)
         report["packs"].append(r | {"config": name})
         print(f"\n## pack {name} cp={cp} t={sum(docs)}, {len(docs)} documents {docs}, causal: slowest rank's "
               f"schedule, TFLOP/s (and against FA4 varlen monolithic on the pack; target >= 0.90)")

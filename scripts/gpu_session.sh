@@ -6,7 +6,7 @@
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
-# session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6
+# session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -179,4 +179,23 @@ if [[ $what == *" verify6 "* ]]; then   # <= 560 s: what changed after the fifth
   run check_thd_fa4_cp4 90 $SP check --device cuda --backend fa4 --ranks 4 --qkv-format thd --seqlens 512,1536,2048 \
       --comm p2p,a2a,a2a+p2p --softmax all --mask causal --window 127,0 --dtype bf16 --heads 8 --kv-heads 4 \
       --head-dim 64 --format json --output "$OUT/check_thd_fa4_cp4.json"
+fi
+if [[ $what == *" gather6 "* ]]; then   # <= 560 s: the allgather K/V schedule: issue 15's pack, then its tests and checks
+  run pack_bench_gather 300 python3 scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 --pack-len 65536 \
+      --pack-docs 2048-16384 --ring-backends fa4,fa4+comm --kv-schedules ring,allgather --out "$OUT/pack_bench_gather.json"
+  run gpu_tests_gather 150 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "allgather"
+  run check_gather_cp4 100 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a+p2p --kv-schedule allgather \
+      --qkv-format thd,bshd --seqlens 512,1536,2048 --softmax all --mask causal --dtype bf16,fp16 --sink-strategy all \
+      --heads 8 --kv-heads 4 --head-dim 64 --format json --output "$OUT/check_gather_cp4.json"
+fi
+if [[ $what == *" gather6b "* ]]; then   # <= 560 s: gather6's check in two parts (80 cases outran 100 s), then
+  # issue 11's shapes at cp 8 under allgather beside the ring
+  run check_gather_thd_cp4 200 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a+p2p --kv-schedule allgather \
+      --qkv-format thd --seqlens 512,1536,2048 --softmax all --mask causal --dtype bf16,fp16 --sink-strategy all \
+      --heads 8 --kv-heads 4 --head-dim 64 --format json --output "$OUT/check_gather_thd_cp4.json"
+  run check_gather_bshd_cp4 80 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p --kv-schedule allgather \
+      --softmax all --mask all --dtype bf16 --batch 1 --seq-len 4096 --heads 8 --kv-heads 4 --head-dim 64 \
+      --format json --output "$OUT/check_gather_bshd_cp4.json"
+  run ring_bench_gather 270 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8;gpt-oss:8" \
+      --ring-backends fa4 --kv-schedules ring,allgather --out "$OUT/ring_bench_gather.json"
 fi
