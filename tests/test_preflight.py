@@ -135,6 +135,21 @@ def test_usage_errors_in_a_real_process_take_seconds_and_print_no_traceback(cli)
         assert "Traceback" not in res.stderr and "rank" not in res.stdout
 
 
+def test_allgather_is_counted_with_the_whole_sequences_kv_and_its_wider_tiles():
+    """Each rank of an allgather run holds every rank's K/V and their dK/dV, and a chunk's tile reads
+    its whole document: the estimate grows by at least the sequence's K/V and dK/dV."""
+    ring, gather = (expand(Settings(seq_len=4096, kv_schedule=(kind,), ranks=4))[0] for kind in ("ring", "allgather"))
+    sh = ring.shape
+    kv_all = sh.b * sh.s * 2 * sh.g * sh.d
+    for tiles in (False, True):
+        host, device = preflight.case_need(ring, 4, False, tile_scores=tiles)
+        host_g, device_g = preflight.case_need(gather, 4, False, tile_scores=tiles)
+        assert host_g == host and device_g >= device + kv_all * (2 + 3) * 8   # fp64 by default: elem = acc = 8
+    one = expand(Settings(seq_len=4096, kv_schedule=("allgather",), ranks=1))[0]
+    assert preflight.case_need(one, 1, False) == preflight.case_need(
+        expand(Settings(seq_len=4096, kv_schedule=("ring",), ranks=1))[0], 1, False)   # a ring of one gathers nothing
+
+
 def test_memory_estimate_is_linear_without_a_bias_and_refuses_what_does_not_fit():
     base = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp64",), seq_len=4096, ranks=2)
     big = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp64",), seq_len=8192, ranks=2)

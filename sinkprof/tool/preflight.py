@@ -169,7 +169,8 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
 
     Host: the full-sequence fp64 inputs and their rounded copy (``make_inputs``). Device (the
     host when the run is on the CPU): the reference's fp64 inputs, results and one score block,
-    and the CP run's shard, ring buffers, the forward's buffers of later results, gradients and, with ``tile_scores`` (the torch tiles,
+    and the CP run's shard, ring buffers (under allgather the whole sequence's K/V and dK/dV), the
+    forward's buffers of later results, gradients and, with ``tile_scores`` (the torch tiles,
     which hold a tile's scores; cuDNN and FA4 never do), a tile's scores. A thd pack's tiles are
     its documents' own (``plan.ring_plan``), so its largest tile is its longest document's, not
     the pack's. A bias is ``[1, h, S, S]`` on every rank: quadratic in the sequence whatever the
@@ -193,11 +194,17 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
     # the forward's buffers of later results (at most 2 a step, PARTS in all) and, when they merge more
     # than once, the fp32 accumulator (ring.ForwardState)
     device += o_local * (min(PARTS, 2 * (ring - 1)) * elem + (acc if ring - 1 > PARTS else 0))
+    gather = ring > 1 and _ring_schedule(case, ranks) is KVSchedule.ALLGATHER
+    if gather:   # the whole sequence's K/V and the shards they arrived in; its dK/dV, their parts and arrivals
+        kv_all = sh.b * sh.s * 2 * max(1, sh.g // members) * sh.d
+        device += kv_all * 2 * elem + kv_all * 3 * acc
     if tile_scores or case.bias:    # bias tiles fall back to the torch tiles
         # the largest tile: step 0's 2c x 2c of the outer ring (every tile under no_mask), on the
-        # heads a rank keeps after the inner a2a; a2a alone is a ring of one rank (c = s / 2)
+        # heads a rank keeps after the inner a2a; a2a alone is a ring of one rank (c = s / 2);
+        # under allgather a chunk's rows against its whole document
         chunk = max(1, max(case.docs, default=sh.s) // (2 * ring))   # of the longest document
-        device += 3 * sh.b * max(1, sh.h // members) * (2 * chunk) ** 2 * acc   # its scores, probabilities, gradient
+        keys = 2 * ring * chunk if gather else 2 * chunk
+        device += 3 * sh.b * max(1, sh.h // members) * 2 * chunk * keys * acc   # its scores, probabilities, gradient
     return host, device
 
 
