@@ -359,7 +359,8 @@ def gather_plan(cp: int, rank: int, chunk, band: Band) -> RankPlan:
     first p + c keys). Each local row is in exactly one tile, which carries its sink: nothing is
     merged. A chunk's two tiles join into one when they read the same keys with one band (no
     mask); otherwise the first chunks of every document come first, then the second chunks, so a
-    kernel with varlen calls takes each half as one call (``Step.groups``)."""
+    kernel with varlen calls takes each half as one call (``Step.groups``) where their corner bands
+    agree (a one-row chunk, or a window trimming some chunks' keys, ends a run)."""
     chunks = as_chunks(chunk)
     per_doc, local, start = [], 0, 0
     for c in chunks:

@@ -25,7 +25,7 @@ from ..context_parallel import cp_attention
 from ..dist import DEFAULT_TIMEOUT_S, where
 from ..faults import RANK_FAILURES, Fault
 from ..kernels import get_kernel
-from ..options import DTYPES, CommType, CPOptions, QKVFormat, accum_dtype, check_scale
+from ..options import DTYPES, CommType, CPOptions, KVSchedule, QKVFormat, accum_dtype, check_scale
 from ..plan import global_rows, shard
 from ..ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
 from ..schedule import comm_schedule, resolved_kv_schedule, row_bytes
@@ -364,5 +364,5 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
                             lambda index, rs: [dict(r, rank=rank, iteration=index) for r in rs], rows.extend)
         if opts.link is not None:
             rows = predict(rows, schedule.transfers(rank, *row_bytes(case.shape.b, case.shape.g, case.shape.d, dtype)),
-                           opts.link)
+                           opts.link, blocking_kv=schedule.kind is KVSchedule.ALLGATHER)
         yield rows

@@ -29,7 +29,9 @@ later moment shifted by the stalls so far::
               exposed(kv_i)  = max(0, s_i + T(kv_i) - p_i),                 exposed(dkv_last) = T(dkv_last)
 
 where ``s_i, e_i`` are step i's predicted start and end and ``p_i`` the moment its dK/dV is
-posted. A step's predicted time is its measured compute plus what it exposes; the predicted
+posted. Under ``allgather`` (``ring.GatherKV``/``GatherDKV``, ``blocking_kv``) the K/V of the one
+step arrive before it computes, so they are exposed whole (``exposed(kv_0) = T(kv_0)``, the step
+starting after them), and its dK/dV, waited at once, too. A step's predicted time is its measured compute plus what it exposes; the predicted
 iteration is the measured one plus every exposed millisecond of the rank. Each rank is modelled
 with its own compute (its peers are taken to post when it does: an imbalance between ranks does
 not travel around the ring), and every message crosses the same link.
@@ -123,13 +125,18 @@ def _comm_row(phase, step, kind, start, dur, exposed, nbytes) -> dict:
                 overlap_ms=dur - exposed, exposed_ms=exposed, bytes=nbytes, predicted=True)
 
 
-def _phase(phase: str, compute: dict, comm: dict, delay: float):
+def _phase(phase: str, compute: dict, comm: dict, delay: float, blocking_kv: bool = False):
     """One phase of one iteration: ``compute`` step -> measured row; ``comm`` (step, kind) ->
-    (ms, bytes). Returns the compute rows moved onto the predicted timeline, the predicted
-    communication rows and the delay (ms of stalls) after the phase."""
+    (ms, bytes); ``blocking_kv``: a step's K/V arrive before it computes (allgather). Returns the
+    compute rows moved onto the predicted timeline, the predicted communication rows and the delay
+    (ms of stalls) after the phase."""
     placed, rows, pending = [], [], None   # pending: dK/dV in flight (posted, ms, step, bytes)
     for i in sorted(compute):
         c = compute[i]
+        if blocking_kv and (i, "kv") in comm:
+            ms, nbytes = comm[(i, "kv")]
+            rows.append(_comm_row(phase, i, "kv", c["start_ms"] + delay, ms, ms, nbytes))
+            delay += ms
         s, e = c["start_ms"] + delay, c["end_ms"] + delay
         placed.append(dict(c, start_ms=s, end_ms=e))
         ready = e
@@ -142,7 +149,7 @@ def _phase(phase: str, compute: dict, comm: dict, delay: float):
             if (i, "dkv") in comm:
                 ms, nbytes = comm[(i, "dkv")]
                 pending = (ready, ms, i, nbytes)
-        if (i, "kv") in comm:
+        if (i, "kv") in comm and not blocking_kv:
             ms, nbytes = comm[(i, "kv")]
             rows.append(_comm_row(phase, i, "kv", s, ms, max(0.0, s + ms - ready), nbytes))
             ready = max(ready, s + ms)
@@ -154,12 +161,13 @@ def _phase(phase: str, compute: dict, comm: dict, delay: float):
     return placed, rows, delay
 
 
-def predict(rows: list[dict], transfers: Iterable[Transfer], link: Link) -> list[dict]:
+def predict(rows: list[dict], transfers: Iterable[Transfer], link: Link, blocking_kv: bool = False) -> list[dict]:
     """One simulated rank's measured rows (compute and iteration rows of every iteration) -> the
     prediction: compute rows with their measured durations on the predicted timeline, one
     communication row per exchange (``predicted`` true, ``bytes`` sent, ``dur_ms`` the
     predicted time, ``overlap_ms``/``exposed_ms``), iteration rows lengthened by the exposed
-    time (``predicted`` true)."""
+    time (``predicted`` true). ``blocking_kv``: the schedule waits for a step's K/V before it
+    computes (allgather)."""
     times = exchange_times(transfers, link)
     out = []
     for it in sorted({r["iteration"] for r in rows}):
@@ -171,7 +179,7 @@ def predict(rows: list[dict], transfers: Iterable[Transfer], link: Link) -> list
             if not compute:
                 continue
             comm = {(step, kind): v for (p, step, kind), v in times.items() if p == phase}
-            placed, comm_rows, delay = _phase(phase, compute, comm, delay)
+            placed, comm_rows, delay = _phase(phase, compute, comm, delay, blocking_kv)
             out += placed + [dict(base, **r) for r in comm_rows]
         for r in mine:
             if r["kind"] == "iteration":
