@@ -6,7 +6,7 @@
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
-# session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b
+# session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -198,4 +198,8 @@ if [[ $what == *" gather6b "* ]]; then   # <= 560 s: gather6's check in two part
       --format json --output "$OUT/check_gather_bshd_cp4.json"
   run ring_bench_gather 270 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8;gpt-oss:8" \
       --ring-backends fa4 --kv-schedules ring,allgather --out "$OUT/ring_bench_gather.json"
+fi
+if [[ $what == *" verify6b "* ]]; then   # <= 220 s: the packs on fa4 after the group kernels took a band per tile
+  # and grouped by corner band, with the corrected allgather count
+  run gpu_tests_packs 210 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "pack"
 fi
