@@ -605,6 +605,8 @@ class GatherKV:
         self.rows = schedule.sequence_rows(kv.device)
         self.peers = [r for r in range(comm.size) if r != comm.rank]
         self.arriving = torch.empty((len(self.peers), *kv.shape), dtype=kv.dtype, device=kv.device)
+        self.shards = list(self.arriving)   # every rank's shard, in rank order
+        self.shards.insert(comm.rank, kv)
         shape = list(kv.shape)
         shape[fmt.seq_dim] *= comm.size
         self.sequence = kv.new_empty(shape)
@@ -614,8 +616,7 @@ class GatherKV:
         if self.peers:
             self.comm.post([(self.own, p) for p in self.peers], list(zip(self.arriving, self.peers)), "kv",
                            self.phase, step.index).wait()
-        shards = [self.own if r == self.comm.rank else self.arriving[self.peers.index(r)] for r in range(self.comm.size)]
-        return unstacked(_in_sequence(shards, self.rows, self.fmt.seq_dim, out=self.sequence), self.fmt)
+        return unstacked(_in_sequence(self.shards, self.rows, self.fmt.seq_dim, out=self.sequence), self.fmt)
 
 
 class GatherDKV:

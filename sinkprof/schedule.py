@@ -18,8 +18,9 @@ rank receives for each step, and so which bytes move, per (phase, step, kind, pe
 A message is labelled with the step during which it is in flight: the K/V a rank computes with at
 step i+1 is posted as step i starts (label i), so it overlaps step i's compute; a dK/dV message
 is labelled with the step whose tiles produced it. ``auto`` takes whichever of ``ring`` and
-``direct`` moves fewer bytes in all (ties go to the ring). Nothing here needs a process group: ``comm_bytes`` gives the
-bytes of any shape on any cp, for models of links as much as for ``sinkprof check``.
+``direct`` moves fewer bytes in all (ties go to the ring). Nothing here needs a process group:
+``comm_bytes`` gives the bytes of any shape on any cp, for models of links as much as for
+``sinkprof check``.
 """
 from __future__ import annotations
 

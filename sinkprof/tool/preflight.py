@@ -56,8 +56,7 @@ def applies(fault: Fault, case: Case, ranks: int) -> bool:
     if fault is Fault.SKIP_SINK_SLICE:
         return learnable and case.comm in (CommType.A2A, CommType.A2A_P2P)
     if fault is Fault.DROP_HALO:  # a row of a direct-schedule K/V message from ring rank 0 to ring rank 1
-        from .check import case_traffic
-        schedule = case_traffic(case, ranks).schedule
+        schedule = _case_schedule(case, ranks)
         return (case.comm is not CommType.A2A and schedule is not None and schedule.kind is KVSchedule.DIRECT
                 and bool(schedule.kv_rows(1, 1)))
     if fault is Fault.DOC_LEAK:
@@ -73,10 +72,15 @@ def ring_ranks(case: Case, ranks: int) -> int:
     return ranks // a2a_members(case.comm, ranks, case.a2a_size)
 
 
+def _case_schedule(case: Case, ranks: int):
+    """The ``CommSchedule`` of ``case``'s ring (``auto`` resolved), None where there is no ring."""
+    from .check import case_traffic
+    return case_traffic(case, ranks).schedule
+
+
 def _ring_schedule(case: Case, ranks: int) -> KVSchedule:
     """The K/V schedule ``case``'s ring runs (``auto`` resolved; ``ring`` where there is no ring)."""
-    from .check import case_traffic
-    schedule = case_traffic(case, ranks).schedule
+    schedule = _case_schedule(case, ranks)
     return KVSchedule.RING if schedule is None else schedule.kind
 
 
