@@ -24,7 +24,8 @@ stream of their own, so only the link is missing.
 Packs (issue 15's target: the slowest rank's ring on a 64k pack of documents of 2k-16k tokens at
 cp = 8 at >= 0.90x FA4's varlen rate on the same pack): document lengths drawn from a seeded
 generator (multiples of 2 cp, summing to ``--pack-len``), each document cut into 2 cp chunks as
-``sinkprof.shard(..., cu_seqlens)`` cuts it, causal within each document; ranks 0, cp/2 and cp-1
+``sinkprof.shard(..., cu_seqlens)`` cuts it, causal within each document (``--pack-layouts
+balanced``: also in the balanced layout, under allgather, every rank timed); ranks 0, cp/2 and cp-1
 run their whole schedule as above, against one ``_flash_attn_fwd`` / ``_flash_attn_bwd`` call with
 ``cu_seqlens_q = cu_seqlens_k`` on the whole pack. FLOPs on both sides: each document's own causal
 pairs. ``pack_setup`` builds the pack, its plans and shards on any device (the CPU tests use it).
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import itertools
 import json
 import random
@@ -54,8 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sinkprof import fused  # noqa: E402
 from sinkprof.kernels import get_kernel, unavailable_reason  # noqa: E402
-from sinkprof.options import Band, CPOptions, KVSchedule, SinkStrategy, make_spec  # noqa: E402
-from sinkprof.plan import shard  # noqa: E402
+from sinkprof.options import Band, CPOptions, KVSchedule, PackLayout, SinkStrategy, make_spec  # noqa: E402
+from sinkprof.plan import shard, spec_layout  # noqa: E402
 from sinkprof.ring import (BackwardState, ForwardState, LocalDKV, LocalKV, P2PAttention, run_backward,  # noqa: E402
                            run_forward)
 from sinkprof.schedule import CommSchedule  # noqa: E402
@@ -283,11 +285,12 @@ class _Ctx:
         self.saved_tensors = tensors
 
 
-def _spec(softmax: str, mask: str, cu_seqlens=None):
-    """A sequence's spec (bshd), or a pack's (thd with ``cu_seqlens``, seen as one bshd sequence)."""
+def _spec(softmax: str, mask: str, cu_seqlens=None, pack_layout=PackLayout.ZIGZAG):
+    """A sequence's spec (bshd), or a pack's (thd with ``cu_seqlens`` in ``pack_layout``, seen as
+    one bshd sequence)."""
     if cu_seqlens is None:
         return make_spec(softmax, mask, None, "bshd")
-    return make_spec(softmax, mask, None, "thd", cu_seqlens).batched()
+    return make_spec(softmax, mask, None, "thd", cu_seqlens, pack_layout).batched()
 
 
 def _comm_ring_fns(kernel, schedule: CommSchedule, rank: int, q, k, v, do, sink, softmax, strategy, mask, d,
@@ -296,7 +299,8 @@ def _comm_ring_fns(kernel, schedule: CommSchedule, rank: int, q, k, v, do, sink,
     ``schedule``'s K/V schedule, over a ``Loopback`` communicator: what ``cp_attention`` runs on a
     rank, but for the link. ``q``, ``k``, ``v``, ``do``: this rank's ``[b, 2c, h|g, d]`` shards
     (a pack: ``b = 1`` and its ``cu_seqlens``)."""
-    opts = CPOptions(_spec(softmax, mask, cu_seqlens), d ** -0.5, kernel, strategy, kv_schedule=schedule.kind)
+    opts = CPOptions(_spec(softmax, mask, cu_seqlens, schedule.layout.kind), d ** -0.5, kernel, strategy,
+                     kv_schedule=schedule.kind)
     cp = schedule.cp
     comm = Loopback(rank, cp, q.device)
     offset = sink if softmax == "learnable" else None
@@ -362,7 +366,8 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
             timed, timing = _timed(fns)
             for softmax, strategy in RUNS:
                 variant = f"{softmax} {strategy.value}"
-                row = dict(backend=name, kv_schedule=schedule.kind.value, cp=cp, mask=mask, variant=variant,
+                row = dict(backend=name, kv_schedule=schedule.kind.value, layout=schedule.layout.kind.value, cp=cp,
+                           mask=mask, variant=variant,
                            rank=rank, flops=flops,
                            fwd_ms=timed[variant + " fwd"]["ms"], bwd_ms=timed[variant + " bwd"]["ms"],
                            host_us_per_step_eager=host[variant], timing=timing)
@@ -439,8 +444,9 @@ def pack_lengths(total: int, lo: int, hi: int, multiple: int, seed: int) -> list
 
 @dataclass
 class Pack:
-    """A seeded pack of documents (thd: ``[t, h|g, d]``) and its ring of ``cp`` ranks: each document cut
-    into 2 cp chunks, rank r holding chunks r and 2cp-1-r of every document (``sinkprof.shard``)."""
+    """A seeded pack of documents (thd: ``[t, h|g, d]``) and its ring of ``cp`` ranks in one layout
+    (``sinkprof.shard``): zigzag (each document cut into 2 cp chunks, rank r holding chunks r and
+    2cp-1-r of every document) under the ring K/V schedule, or balanced under allgather."""
 
     docs: list
     cu_seqlens: torch.Tensor    # int32 [documents + 1], on the pack's device
@@ -449,7 +455,7 @@ class Pack:
     v: torch.Tensor
     do: torch.Tensor            # [t, h, d]
     sink: torch.Tensor          # [1, h, 1, 1] fp32
-    schedule: CommSchedule      # the ring K/V schedule over the documents' chunks (``pack_bench`` may run others)
+    schedule: CommSchedule      # the layout's K/V schedule (``pack_bench`` may run others on a zigzag layout)
     ks: list                    # every rank's K shard, [1, g, 2 sum(chunks), d] (bhsd views of bshd storage)
     vs: list
 
@@ -466,15 +472,29 @@ class Pack:
 
     def rank_shard(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s rows of a ``[t, heads, d]`` pack tensor as a ``[1, heads, rows, d]`` view."""
-        return shard(x.unsqueeze(0), self.cp, rank, 1, [0, *itertools.accumulate(self.docs)]).permute(0, 2, 1, 3)
+        return shard(x.unsqueeze(0), self.cp, rank, 1, [0, *itertools.accumulate(self.docs)],
+                     self.schedule.layout.kind).permute(0, 2, 1, 3)
+
+    def laid_out(self, pack_layout) -> "Pack":
+        """The same pack in ``pack_layout`` (``PackLayout``): its schedule (ring for zigzag,
+        allgather for balanced) and every rank's K/V shard."""
+        spec = make_spec("vanilla", PACK_MASK, None, "thd", self.cu_seqlens.tolist(), pack_layout)
+        kind = KVSchedule.RING if spec.pack_layout is PackLayout.ZIGZAG else KVSchedule.ALLGATHER
+        p = dataclasses.replace(self, schedule=CommSchedule(kind, self.cp, spec_layout(spec, sum(self.docs), self.cp),
+                                                            spec.band))
+        p.ks = [p.rank_shard(self.k, r) for r in range(self.cp)]
+        p.vs = [p.rank_shard(self.v, r) for r in range(self.cp)]
+        return p
 
     def shards(self, rank: int) -> tuple:
         """(q, dO) of rank ``rank``, as ``slowest_rank`` takes them."""
         return self.rank_shard(self.q, rank), self.rank_shard(self.do, rank)
 
 
-def pack_setup(cp: int, h: int, g: int, d: int, docs: list, device, dtype=torch.bfloat16, seed: int = 1) -> Pack:
-    """Seeded inputs of a pack of ``docs`` on ``device``, its ring schedule and every rank's K/V shard."""
+def pack_setup(cp: int, h: int, g: int, d: int, docs: list, device, dtype=torch.bfloat16, seed: int = 1,
+               pack_layout=PackLayout.ZIGZAG) -> Pack:
+    """Seeded inputs of a pack of ``docs`` on ``device``, its schedule in ``pack_layout`` and every rank's
+    K/V shard."""
     cu = [0, *itertools.accumulate(docs)]
     spec = make_spec("vanilla", PACK_MASK, None, "thd", cu)
     t = cu[-1]
@@ -487,9 +507,7 @@ def pack_setup(cp: int, h: int, g: int, d: int, docs: list, device, dtype=torch.
     sink = torch.randn(1, h, 1, 1, generator=gen, device=device) * 5
     schedule = CommSchedule(KVSchedule.RING, cp, spec.chunks(t, cp), spec.band)
     p = Pack(list(docs), torch.tensor(cu, dtype=torch.int32, device=device), q, k, v, do, sink, schedule, [], [])
-    p.ks = [p.rank_shard(k, r) for r in range(cp)]
-    p.vs = [p.rank_shard(v, r) for r in range(cp)]
-    return p
+    return p.laid_out(pack_layout)
 
 
 def fa4_varlen(p: Pack, sink, scale: float):
@@ -505,10 +523,12 @@ def fa4_varlen(p: Pack, sink, scale: float):
 
 
 def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names: list,
-               kinds=(KVSchedule.RING,)) -> dict:
-    """The slowest of ranks 0, cp/2, cp-1 per backend, variant and K/V schedule (``kinds``) on a
-    pack (causal within each document), against FA4's varlen monolithic call on the same pack;
-    FLOPs on both sides are the documents' own causal work."""
+               kinds=(KVSchedule.RING,), layouts=(PackLayout.ZIGZAG,)) -> dict:
+    """Per layout, backend, variant and K/V schedule (``kinds``; the balanced layout runs under
+    allgather alone) the slowest rank's schedule on a pack (causal within each document), against
+    FA4's varlen monolithic call on the same pack; FLOPs on both sides are the documents' own causal
+    work. The slowest of ranks 0, cp/2, cp-1 in the zigzag layout (every rank has each document's
+    shape of work), of every rank in the balanced one."""
     p = pack_setup(cp, h, g, d, docs, "cuda")
     mono = {}
     if "fa4" in backends():
@@ -520,10 +540,15 @@ def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names
         print(f"{name}: {r['ms']:.3f} ms, {rate:.1f} TFLOP/s ({timing})")
     cu = [0, *itertools.accumulate(docs)]
     rows = []
-    for kind in kinds:
-        schedule = CommSchedule(kind, cp, p.schedule.chunks, p.schedule.band)
-        rows += slowest_rank(names, schedule, sorted({0, cp // 2, cp - 1}), p.shards, p.ks, p.vs, p.sink, PACK_MASK,
-                             d, profile=f"pack cp={cp} {kind.value}" if profile else None, cu_seqlens=cu)
+    for layout in layouts:
+        laid = p.laid_out(layout)
+        balanced = layout is PackLayout.BALANCED
+        for kind in ((KVSchedule.ALLGATHER,) if balanced else kinds):
+            schedule = CommSchedule(kind, cp, laid.schedule.layout, laid.schedule.band)
+            ranks = range(cp) if balanced else sorted({0, cp // 2, cp - 1})
+            rows += slowest_rank(names, schedule, ranks, laid.shards, laid.ks, laid.vs, p.sink, PACK_MASK, d,
+                                 profile=f"pack cp={cp} {layout.value} {kind.value}" if profile else None,
+                                 cu_seqlens=cu)
     return {"cp": cp, "shape": dict(t=sum(docs), h=h, g=g, d=d), "docs": list(docs), "mask": PACK_MASK,
             "flops": p.flops, "fa4_varlen_ms": mono_ms, "fa4_varlen_timing": timing,
             "rows": with_rates(rows, p.flops, mono_ms, mono="fa4 varlen")}
@@ -557,7 +582,7 @@ def _print_rows(rows: list, against: str) -> None:
     for row in rows:
         eff = (f" | vs {against} fwd {row['fwd_vs_fa4_mono']:.3f} bwd {row['bwd_vs_fa4_mono']:.3f}"
                if "fwd_vs_fa4_mono" in row else "")
-        print(f"{row['backend']:12s} {row['kv_schedule']:9s} {row['variant']:21s} rank {row['rank']}: "
+        print(f"{row['backend']:12s} {row['kv_schedule']:9s} {row['layout']:8s} {row['variant']:21s} rank {row['rank']}: "
               f"fwd {row['fwd_tflops']:6.1f} "
               f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step")
 
@@ -595,6 +620,8 @@ def parse_args(argv=None):
     ap.add_argument("--pack-docs", default="2048-16384", help="LO-HI: document lengths, drawn from --pack-seed "
                     "as multiples of 2 * cp")
     ap.add_argument("--pack-seed", type=int, default=0)
+    ap.add_argument("--pack-layouts", default="zigzag", help="layouts of the pack benchmarks: zigzag, balanced "
+                    "(comma list; balanced runs under the allgather K/V schedule alone)")
     ap.add_argument("--skip-tiles", action="store_true")
     ap.add_argument("--profile-step", action="store_true", help="print the kernels of one warm ring per config")
     ap.add_argument("--out", default=None)
@@ -604,6 +631,7 @@ def parse_args(argv=None):
         args.kinds = [KVSchedule.parse(k, "--kv-schedules") for k in args.kv_schedules.split(",")]
         if KVSchedule.AUTO in args.kinds:
             raise ValueError("--kv-schedules: name ring, direct or allgather (auto is one of the first two)")
+        args.layouts = [PackLayout.parse(x, "--pack-layouts") for x in args.pack_layouts.split(",")]
     except ValueError as exc:
         ap.error(str(exc))
     return args
@@ -639,7 +667,7 @@ def main() -> None:
                 _print_rows(r["rows"], "FA4 mono")
     for name, cp, docs in args.pack_cases:
         h, g, d = CONFIGS[name]
-        r = pack_bench(cp, h, g, d, docs, args.profile_step, ring_names, args.kinds)
+        r = pack_bench(cp, h, g, d, docs, args.profile_step, ring_names, args.kinds, args.layouts)
         report["packs"].append(r | {"config": name})
         print(f"\n## pack {name} cp={cp} t={sum(docs)}, {len(docs)} documents {docs}, causal: slowest rank's "
               f"schedule, TFLOP/s (and against FA4 varlen monolithic on the pack; target >= 0.90)")

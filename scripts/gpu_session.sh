@@ -6,7 +6,7 @@
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
-# session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b
+# session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -202,4 +202,12 @@ fi
 if [[ $what == *" verify6b "* ]]; then   # <= 220 s: the packs on fa4 after the group kernels took a band per tile
   # and grouped by corner band, with the corrected allgather count
   run gpu_tests_packs 210 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "pack"
+fi
+if [[ $what == *" layout7 "* ]]; then   # <= 560 s: the balanced pack layout (issue 15)
+  run pack_layout 240 python3 scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 \
+      --ring-backends fa4,fa4+comm --kv-schedules allgather --pack-layouts zigzag,balanced --out "$OUT/pack_layout.json"
+  run check_thd_balanced 120 $SP check --device cuda --backend fa4 --ranks 4 --qkv-format thd \
+      --seqlens 2048,512,1536,1022,6,3068 --pack-layout balanced --softmax all --mask all --dtype bf16,fp16 \
+      --sink-strategy all --heads 8 --kv-heads 2 --head-dim 64 --format json --output "$OUT/check_thd_balanced.json"
+  run gpu_tests_layout 190 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "balanced or (cuda_graph and allgather)"
 fi

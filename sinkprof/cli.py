@@ -84,6 +84,10 @@ CASE_OPTIONS = [
     _option("kv_schedule", Optional[str], None, "--kv-schedule",
             help="How the ring moves K/V: auto (ring or direct, fewer bytes), ring, direct, allgather "
                  "(comma list) or all."),
+    _option("pack_layout", Optional[str], None, "--pack-layout",
+            help="thd: which rows of the pack each rank holds: zigzag (every document in 2 * cp chunks, rank r "
+                 "holding chunks r and 2cp-1-r) or balanced (each document in a few long pieces on a few ranks, "
+                 "equal tokens and causal work per rank; --comm p2p, --kv-schedule allgather or auto)."),
     _option("window", Optional[str], None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),
     _option("bias", Optional[bool], None, "--bias/--no-bias", help="Add a learnable [1, h, S, S] bias."),
     _option("batch", Optional[int], None, "--batch", help="Batch of the bshd and sbhd cases (thd: b = 1)."),

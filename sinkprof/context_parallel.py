@@ -15,8 +15,9 @@ from . import faults
 from .dist import DEFAULT_TIMEOUT_S, Communicator, SoloCommunicator
 from .hierarchical import CPGroups, hierarchical_attention, split_groups
 from .kernels import get_kernel
-from .options import (CommType, CPOptions, KVSchedule, QKVFormat, SinkGrad, check_bias, check_docs, check_heads,
-                      check_offset, check_qkv, check_scale, check_sink_strategy, make_spec)
+from .options import (BALANCED_RUNS, CommType, CPOptions, KVSchedule, PackLayout, QKVFormat, SinkGrad, check_bias,
+                      check_docs, check_heads, check_offset, check_qkv, check_scale, check_sink_strategy, make_spec)
+from .plan import spec_layout
 
 _comms: dict = {}
 
@@ -34,7 +35,7 @@ def comm_for(group=None, timeout: float = DEFAULT_TIMEOUT_S) -> Communicator:
 def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softmax_type="vanilla",
                  mask="no_mask", window=None, bias=None, scale=None, qkv_format="bshd", backend="auto",
                  sink_strategy=None, sink_grad="full", a2a_size: Optional[int] = None,
-                 kv_schedule="auto", cu_seqlens=None, timeout: float = DEFAULT_TIMEOUT_S):
+                 kv_schedule="auto", cu_seqlens=None, pack_layout="zigzag", timeout: float = DEFAULT_TIMEOUT_S):
     """Attention over a sequence split across the ranks of ``group`` (default: the world).
 
     q, k, v are this rank's load-balanced shards (``sinkprof.shard``: chunks r and 2cp-1-r);
@@ -67,12 +68,21 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     and ``cu_seqlens``, the boundaries ``[0, end_0, ..., T]`` of the whole pack (the same on every
     rank). Each document attends only to itself (mask and window per document, the sink once per
     row); every document's length must be a multiple of ``2 * cp`` (``sinkprof.pad_pack``).
+    ``pack_layout="balanced"``: the shards are ``sinkprof.shard(x, cp, rank, 0, cu_seqlens,
+    pack_layout="balanced")`` instead, each document in a few long pieces on a few ranks with the
+    same tokens and causal work on every rank (docs/design.md, section 3), so every kernel call
+    covers long stretches of its document; it runs under ``comm="p2p"`` with the ``allgather``
+    K/V schedule (``auto`` takes it), and needs even document lengths and a pack of a multiple of
+    ``2 * cp`` tokens.
     """
-    spec = make_spec(softmax_type, mask, window, qkv_format, cu_seqlens)
+    spec = make_spec(softmax_type, mask, window, qkv_format, cu_seqlens, pack_layout)
     comm_type = CommType.parse(comm, "comm")
     strategy = None if sink_strategy is None else check_sink_strategy(sink_strategy)
     grad_contract = SinkGrad.parse(sink_grad, "sink_grad")
     schedule = KVSchedule.parse(kv_schedule, "kv_schedule")
+    if spec.pack_layout is PackLayout.BALANCED and (
+            comm_type is not CommType.P2P or schedule not in (KVSchedule.AUTO, KVSchedule.ALLGATHER)):
+        raise ValueError(f"comm={comm_type.value!r}, kv_schedule={schedule.value!r}: {BALANCED_RUNS}")
     dims = check_qkv(q, k, v, spec.qkv_format)
     thd = spec.qkv_format is QKVFormat.THD
     if thd:   # a pack is one sequence of documents: b = 1, the same loops as bshd
@@ -90,7 +100,7 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     groups = cp_groups(comm_type, group, a2a_size, timeout)
     world = groups.inner.size * groups.outer.size
     check_docs(spec, dims.s_q, dims.s_kv, world)
-    spec.chunks(dims.s_q * world, world)   # every document splits into 2 * cp chunks
+    spec_layout(spec, dims.s_q * world, world)   # the layout exists (zigzag: every document in 2 * cp chunks)
     full = dims.s_q * world
     check_bias(bias, dims.b, dims.h, full, full, q.device)
     check_heads(dims.h, dims.g, groups.inner.size)

@@ -16,7 +16,7 @@ from . import faults
 from .a2a import join_outer
 from .kernels import TorchTiles
 from .options import AttnSpec, CPOptions, KVSchedule, QKVFormat, SinkStrategy, accum_dtype, check_a2a_size, check_heads, check_scale
-from .plan import global_rows, shard, unshard
+from .plan import shard, spec_layout, unshard
 from .ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
 from .schedule import comm_schedule, row_bytes
 from .sink import sink_logits
@@ -39,7 +39,7 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
         return dataclasses.replace(run, result=run.result.unbatched())
     fmt, sd = spec.qkv_format, spec.qkv_format.seq_dim
     s = inputs.q.shape[sd]
-    chunks, cu = spec.chunks(s, cp), spec.cu_seqlens
+    layout, cu = spec_layout(spec, s, cp), spec.cu_seqlens
     h, dim = inputs.q.shape[2], inputs.q.shape[3]
     opts = CPOptions(spec, check_scale(scale, dim), kernel or TorchTiles(), strategy)
     dev = inputs.q.device
@@ -48,16 +48,16 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
     ranks = range(cp)
 
     def shards(x):
-        return [shard(x, cp, r, sd, cu) for r in ranks]
+        return [shard(x, cp, r, sd, cu, spec.pack_layout) for r in ranks]
 
     def bhsd(xs):
         return [fmt.to_bhsd(x) for x in xs]
 
     qs, ks, vs, dos = (shards(x) for x in (inputs.q, inputs.k, inputs.v, inputs.grad_out))
     g, b = inputs.k.shape[2], inputs.q.shape[1 - sd]
-    schedule = comm_schedule(kv_schedule, cp, chunks, spec.band, *row_bytes(b, g, dim, inputs.q.dtype))
+    schedule = comm_schedule(kv_schedule, cp, layout, spec.band, *row_bytes(b, g, dim, inputs.q.dtype))
     plans = [faults.active.ring_plan(plan) for plan in schedule.plans]
-    positions = [global_rows(cp, r, chunks, dev) for r in ranks]
+    positions = [layout.rows(r, dev) for r in ranks]
     biases = [BiasTiles(inputs.bias, plans[r], positions[r], positions, acc) if inputs.bias is not None else None
               for r in ranks]
 
@@ -85,8 +85,9 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
                                   bias=biases[r], opts=opts))
     d_offset = torch.stack(parts).sum(0) if inputs.offset is not None else None
     d_bias = torch.stack([b.grad for b in biases]).sum(0) if inputs.bias is not None else None
-    result = Result(unshard(outs, sd, cu), unshard(dqs, sd, cu), unshard(dks, sd, cu), unshard(dvs, sd, cu), d_offset,
-                    d_bias, unshard(lses, 2, cu))
+    pl = spec.pack_layout
+    result = Result(unshard(outs, sd, cu, pl), unshard(dqs, sd, cu, pl), unshard(dks, sd, cu, pl),
+                    unshard(dvs, sd, cu, pl), d_offset, d_bias, unshard(lses, 2, cu, pl))
     return EmulatedRing(result, parts, schedule.kind)
 
 

@@ -96,10 +96,13 @@ class Injected(NoFault):
     def ring_plan(self, plan: RankPlan) -> RankPlan:
         # The packing bug: step 0's tile of the second document also reads the first document's
         # keys (its K/V rows start where the first document's do, the band shifted to match).
-        if self.fault is not Fault.DOC_LEAK or len(plan.chunks) < 2:
+        if self.fault is not Fault.DOC_LEAK:
             return plan
-        step = plan.steps[0]
-        start = 2 * plan.chunks[0]           # the second document's first local row
+        pieces = list(plan.layout.local_pieces(plan.rank))
+        start = next((at for at, piece in pieces if piece.doc != pieces[0][1].doc), None)
+        if start is None:                    # the rank holds one document
+            return plan
+        step = plan.steps[0]                 # start: the second document's first local row
         tiles = list(step.tiles)
         n, tile = next((n, t) for n, t in enumerate(tiles) if t.q_rows.start == start)
         tiles[n] = dataclasses.replace(tile, kv_rows=slice(0, tile.kv_rows.stop),

@@ -106,6 +106,13 @@ class KVSchedule(_Choice):
     ALLGATHER = "allgather"  # every shard to every rank before one step over the whole sequence (not overlapped)
 
 
+class PackLayout(_Choice):
+    """Which rows of a thd pack each rank holds (docs/design.md, section 3: packed documents)."""
+
+    ZIGZAG = "zigzag"      # each document in 2 cp chunks, rank r holding chunks r and 2cp-1-r of every one
+    BALANCED = "balanced"  # each document in few long pieces, equal tokens and equal causal work per rank
+
+
 class Backend(_Choice):
     AUTO = "auto"
     TORCH = "torch"
@@ -188,6 +195,7 @@ class AttnSpec:
     window: tuple[Optional[int], Optional[int]] = (None, None)  # (left, right); None = unbounded
     qkv_format: QKVFormat = QKVFormat.BSHD
     docs: tuple[int, ...] = ()      # thd: the length of each document of the pack, in order
+    pack_layout: PackLayout = PackLayout.ZIGZAG   # thd: which rows of the pack each rank holds
 
     @property
     def cu_seqlens(self) -> Optional[list[int]]:
@@ -200,9 +208,12 @@ class AttnSpec:
 
     def chunks(self, s: int, cp: int) -> tuple[int, ...]:
         """Rows per load-balanced chunk of each document for a ring of ``cp`` ranks: the sequence
-        of ``s`` rows is one document unless the spec has ``docs``."""
+        of ``s`` rows is one document unless the spec has ``docs``. A pack in the balanced layout has
+        no such chunks (``sinkprof.plan.spec_layout`` gives any layout)."""
         if cp < 1:
             raise ValueError(f"cp_size={cp} must be >= 1")
+        if self.docs and self.pack_layout is PackLayout.BALANCED:
+            raise ValueError(BALANCED_RUNS)
         if not self.docs:
             if s % (2 * cp):
                 raise ValueError(f"sequence length {s} must be divisible by 2 * cp = {2 * cp} for the "
@@ -272,7 +283,11 @@ def doc_lengths(cu_seqlens, arg: str = "cu_seqlens") -> tuple[int, ...]:
     return lengths
 
 
-def make_spec(softmax_type, mask, window, qkv_format, cu_seqlens=None) -> AttnSpec:
+BALANCED_RUNS = ("pack_layout='balanced' gives a document's pieces to a few ranks, not 2 * cp chunks to every "
+                 "rank: it runs under comm='p2p' with kv_schedule='allgather' (or 'auto', which then takes it)")
+
+
+def make_spec(softmax_type, mask, window, qkv_format, cu_seqlens=None, pack_layout="zigzag") -> AttnSpec:
     softmax_type = SoftmaxType.parse(softmax_type, "softmax_type")
     mask = MaskType.parse(mask, "mask")
     fmt = QKVFormat.parse(qkv_format, "qkv_format")
@@ -281,8 +296,12 @@ def make_spec(softmax_type, mask, window, qkv_format, cu_seqlens=None) -> AttnSp
     if fmt is not QKVFormat.THD and cu_seqlens is not None:
         raise ValueError(f"cu_seqlens describes a pack of documents: use qkv_format='thd' with q of shape [t, h, d] "
                          f"(qkv_format={fmt.value!r} holds whole sequences)")
+    layout = PackLayout.parse(pack_layout, "pack_layout")
+    if layout is not PackLayout.ZIGZAG and fmt is not QKVFormat.THD:
+        raise ValueError(f"pack_layout={layout.value!r} lays out the documents of a thd pack; a whole sequence "
+                         f"(qkv_format={fmt.value!r}) is always cut into 2 * cp chunks: drop pack_layout")
     docs = doc_lengths(cu_seqlens) if cu_seqlens is not None else ()
-    return AttnSpec(softmax_type, mask, parse_window(window, mask), fmt, docs)
+    return AttnSpec(softmax_type, mask, parse_window(window, mask), fmt, docs, layout)
 
 
 @dataclass(frozen=True)

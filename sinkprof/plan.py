@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from .options import AttnSpec, Band, KVSchedule, doc_lengths
+from .options import BALANCED_RUNS, AttnSpec, Band, KVSchedule, PackLayout, doc_lengths
 
 
 PARTS = 8   # later tiles' results waiting for their merge at most: the forward's memory is PARTS x the rank's o
@@ -117,7 +117,7 @@ class Step:
 class RankPlan:
     cp: int
     rank: int
-    chunks: tuple[int, ...]    # rows per chunk of each document; the local shard has 2 * sum(chunks) rows
+    layout: "Layout"           # which rows of the sequence (pack) each rank holds
     steps: tuple[Step, ...]
 
     @property
@@ -162,41 +162,196 @@ def as_chunks(chunk) -> tuple[int, ...]:
     return (chunk,) if isinstance(chunk, int) else tuple(chunk)
 
 
+@dataclass(frozen=True)
+class Piece:
+    doc: int      # the document it belongs to
+    start: int    # its first row, in the sequence's (pack's) rows
+    stop: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which rows of a sequence or a pack each rank holds, in local order: every rank holds as
+    many rows, each document's rows on a rank come as one or two pieces (a head and the matching
+    tail, or one middle), and the documents follow in pack order."""
+
+    kind: PackLayout
+    docs: tuple[int, ...]                      # document lengths (a sequence is one document)
+    ranks: tuple[tuple[Piece, ...], ...]       # per rank, its pieces in local order
+    chunks: tuple[int, ...] = ()               # zigzag: rows per chunk of each document
+
+    @property
+    def cp(self) -> int:
+        return len(self.ranks)
+
+    @functools.cached_property
+    def starts(self) -> tuple[int, ...]:
+        """Each document's first row in the sequence."""
+        return tuple(itertools.accumulate(self.docs, initial=0))[:-1]
+
+    @property
+    def shard_rows(self) -> int:
+        """Rows every rank holds."""
+        return sum(p.stop - p.start for p in self.ranks[0])
+
+    def rows(self, rank: int, device=None) -> torch.Tensor:
+        """The sequence row of each local row of ``rank``'s shard."""
+        return torch.cat([torch.arange(p.start, p.stop, device=device) for p in self.ranks[rank]])
+
+    def local_pieces(self, rank: int):
+        """(first local row, piece) of each piece of ``rank``'s shard."""
+        at = 0
+        for piece in self.ranks[rank]:
+            yield at, piece
+            at += piece.stop - piece.start
+
+
+@functools.lru_cache(maxsize=64)
+def zigzag_layout(cp: int, chunks: tuple[int, ...]) -> Layout:
+    """Each document cut into ``2 cp`` chunks of ``chunks[d]`` rows; rank r holds chunks r and
+    2cp-1-r of every document, document after document."""
+    docs = tuple(2 * cp * c for c in chunks)
+    starts = tuple(itertools.accumulate(docs, initial=0))
+    ranks = tuple(tuple(Piece(d, starts[d] + q * c, starts[d] + (q + 1) * c)
+                        for d, c in enumerate(chunks) for q in chunk_ids(cp, r)) for r in range(cp))
+    return Layout(PackLayout.ZIGZAG, docs, ranks, tuple(chunks))
+
+
+@functools.lru_cache(maxsize=64)
+def balanced_layout(cp: int, docs: tuple[int, ...]) -> Layout:
+    """Documents in few long pieces, ``t / cp`` rows and the same causal work on every rank.
+
+    Every document is taken from both ends at once: a take of ``2x`` rows from a document of
+    length L of which ``2u`` rows are gone is its rows ``[u, u + x)`` and ``[L - u - x, L - u)``,
+    which see ``x (L + 1)`` keys under a causal mask wherever they sit; the cost of a row is its
+    document's length. Ranks are filled in turn with rows from the longest documents left and the
+    shortest left, in the proportion that gives the rank its share of the work left (a bisection
+    over the rows taken from the long end), so a document is cut where ranks change, not into
+    ``2 cp`` chunks. Every document needs an even length and every rank an even share."""
+    if cp < 1:
+        raise ValueError(f"cp_size={cp} must be >= 1")
+    if sum(docs) % (2 * cp):
+        raise ValueError(f"the pack has {sum(docs)} tokens: the balanced layout gives every rank an even share, so "
+                         f"the pack needs a multiple of 2 * cp = {2 * cp} tokens (add a padding document)")
+    odd = [(n, length) for n, length in enumerate(docs) if length % 2]
+    if odd:
+        n, length = odd[0]
+        raise ValueError(f"document {n} has {length} tokens ({len(odd)} of {len(docs)} documents are odd): the "
+                         f"balanced layout takes a document from both ends at once, so every document needs an even "
+                         f"length; pad with sinkprof.pad_pack(x, cu_seqlens, 2)")
+    per = sum(docs) // cp
+    order = sorted(range(len(docs)), key=lambda d: (-docs[d], d))
+    left = list(docs)
+    work_left = sum(n * (n + 1) for n in docs)
+
+    def take(rows: list, from_long: bool, n: int, taken: Optional[list] = None) -> int:
+        """Take ``n`` rows from one end of the documents left (``rows``: rows left per document);
+        the work they cost, and each (document, rows) taken in ``taken``."""
+        work = 0
+        for d in (order if from_long else reversed(order)):
+            if not n:
+                break
+            t = min(n, rows[d])
+            if t:
+                rows[d] -= t
+                n -= t
+                work += t * (docs[d] + 1)
+                if taken is not None:
+                    taken.append((d, t))
+        return work
+
+    def work_of(a: int, need: int) -> int:
+        rows = list(left)
+        return take(rows, True, a) + take(rows, False, need - a)
+
+    streams: list[dict[int, tuple[int, int]]] = []    # per rank: document -> (rows gone before, rows taken)
+    for r in range(cp):
+        need, share = per, work_left / (cp - r)
+        lo, hi = 0, need // 2             # rows from the long end, in pairs: the work grows with them
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if work_of(2 * mid, need) <= share:
+                lo = mid
+            else:
+                hi = mid - 1
+        a = 2 * lo
+        if a < need and abs(work_of(a + 2, need) - share) < abs(work_of(a, need) - share):
+            a += 2
+        taken: list = []
+        gone = {d: docs[d] - left[d] for d in range(len(docs))}
+        work_left -= take(left, True, a, taken) + take(left, False, need - a, taken)
+        mine: dict[int, tuple[int, int]] = {}
+        for d, t in taken:   # a document taken from both ends is one stretch of its takes
+            mine[d] = (mine[d][0], mine[d][1] + t) if d in mine else (gone[d], t)
+        streams.append(mine)
+    starts = tuple(itertools.accumulate(docs, initial=0))
+    ranks = []
+    for mine in streams:
+        pieces = []
+        for d in sorted(mine):
+            gone, t = mine[d]
+            n, u, x = docs[d], gone // 2, t // 2
+            at = starts[d]
+            if u + x == n - u - x:   # the middle of the document: one piece
+                pieces.append(Piece(d, at + u, at + n - u))
+            else:
+                pieces += [Piece(d, at + u, at + u + x), Piece(d, at + n - u - x, at + n - u)]
+        ranks.append(tuple(pieces))
+    return Layout(PackLayout.BALANCED, tuple(docs), tuple(ranks))
+
+
+def as_layout(cp: int, chunk) -> Layout:
+    """A ``Layout``, or the zigzag layout of ``chunk`` rows per chunk (a tuple: one per document)."""
+    if isinstance(chunk, Layout):
+        if chunk.cp != cp:
+            raise ValueError(f"the layout is for {chunk.cp} ranks, not cp={cp}")
+        return chunk
+    return zigzag_layout(cp, as_chunks(chunk))
+
+
+def spec_layout(spec: AttnSpec, s: int, cp: int) -> Layout:
+    """The layout of a sequence (a pack, with ``spec.docs``) of ``s`` rows over ``cp`` ranks, validated."""
+    if not (spec.docs and spec.pack_layout is PackLayout.BALANCED):
+        return zigzag_layout(cp, spec.chunks(s, cp))
+    if sum(spec.docs) != s:
+        raise ValueError(f"cu_seqlens ends at {sum(spec.docs)} but the pack has {s} tokens")
+    return balanced_layout(cp, spec.docs)
+
+
 def global_rows(cp: int, rank: int, chunk, device=None) -> torch.Tensor:
-    """Global sequence position of each local row of ``rank``'s shard; ``chunk`` is the rows per
-    chunk, or a tuple of them, one per document of a pack (each document is cut into ``2 cp``
-    chunks and the local shard holds, document after document, its chunks r and 2cp-1-r)."""
-    first, second = chunk_ids(cp, rank)
-    parts, start = [], 0
-    for c in as_chunks(chunk):
-        base = torch.arange(c, device=device) + start
-        parts += [base + first * c, base + second * c]
-        start += 2 * cp * c
-    return torch.cat(parts)
+    """Global sequence position of each local row of ``rank``'s shard; ``chunk`` is a ``Layout``,
+    or the rows per chunk (a tuple of them, one per document of a pack: each document is cut into
+    ``2 cp`` chunks and the local shard holds, document after document, its chunks r and 2cp-1-r)."""
+    return as_layout(cp, chunk).rows(rank, device)
 
 
-def _pack_spec(cu_seqlens, length: int, cp: int) -> tuple[int, ...]:
-    """Chunk sizes of a pack (or of one sequence) split over ``cp`` ranks, validated."""
+def _pack_layout(cu_seqlens, length: int, cp: int, pack_layout) -> Layout:
+    """The layout of a pack (or of one sequence) split over ``cp`` ranks, validated."""
     docs = doc_lengths(cu_seqlens) if cu_seqlens is not None else ()
     if docs and sum(docs) != length:
         raise ValueError(f"cu_seqlens ends at {sum(docs)} but the tensor has {length} tokens along the sequence dim")
-    return AttnSpec(docs=docs).chunks(length, cp)
+    layout = PackLayout.parse(pack_layout, "pack_layout")
+    if layout is not PackLayout.ZIGZAG and not docs:
+        raise ValueError(f"pack_layout={layout.value!r} lays out the documents of a pack: give cu_seqlens")
+    return spec_layout(AttnSpec(docs=docs, pack_layout=layout), length, cp)
 
 
-def shard(x: torch.Tensor, cp_size: int, rank: int, seq_dim: int, cu_seqlens=None) -> torch.Tensor:
+def shard(x: torch.Tensor, cp_size: int, rank: int, seq_dim: int, cu_seqlens=None,
+          pack_layout="zigzag") -> torch.Tensor:
     """Rank ``rank``'s load-balanced shard of a full-sequence tensor: chunks r and 2cp-1-r (of
-    every document of a thd pack, given ``cu_seqlens``, document after document)."""
+    every document of a thd pack, given ``cu_seqlens``, document after document); with
+    ``pack_layout="balanced"`` the pack's rows of ``balanced_layout``."""
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank={rank} must be in [0, cp_size={cp_size})")
-    chunks = _pack_spec(cu_seqlens, x.shape[seq_dim], cp_size)
-    if len(chunks) == 1:
+    layout = _pack_layout(cu_seqlens, x.shape[seq_dim], cp_size, pack_layout)
+    if len(layout.docs) == 1:
         parts = x.chunk(2 * cp_size, dim=seq_dim)
         first, second = chunk_ids(cp_size, rank)
         return torch.cat([parts[first], parts[second]], dim=seq_dim)
-    return x.index_select(seq_dim, global_rows(cp_size, rank, chunks, x.device))
+    return x.index_select(seq_dim, layout.rows(rank, x.device))
 
 
-def unshard(shards, seq_dim: int, cu_seqlens=None) -> torch.Tensor:
+def unshard(shards, seq_dim: int, cu_seqlens=None, pack_layout="zigzag") -> torch.Tensor:
     """The full sequence (or thd pack, given ``cu_seqlens``) from the shards of ranks 0..cp-1:
     the inverse of ``shard``."""
     shards = list(shards)
@@ -207,14 +362,15 @@ def unshard(shards, seq_dim: int, cu_seqlens=None) -> torch.Tensor:
         if part.shape[seq_dim] % 2:
             raise ValueError(f"shard of rank {rank} has odd length {part.shape[seq_dim]} along dim {seq_dim}")
     if cu_seqlens is None:
+        _pack_layout(None, 2 * cp, cp, pack_layout)
         halves: list[Optional[torch.Tensor]] = [None] * (2 * cp)
         for rank, part in enumerate(shards):
             first, second = chunk_ids(cp, rank)
             halves[first], halves[second] = part.chunk(2, dim=seq_dim)
         return torch.cat(halves, dim=seq_dim)
-    chunks = _pack_spec(cu_seqlens, sum(p.shape[seq_dim] for p in shards), cp)
+    layout = _pack_layout(cu_seqlens, sum(p.shape[seq_dim] for p in shards), cp, pack_layout)
     joined = torch.cat(shards, dim=seq_dim)
-    where = torch.cat([global_rows(cp, r, chunks, joined.device) for r in range(cp)])
+    where = torch.cat([layout.rows(r, joined.device) for r in range(cp)])
     return joined.index_select(seq_dim, torch.argsort(where))
 
 
@@ -308,22 +464,27 @@ def ring_plan(cp: int, rank: int, chunk, band: Band, kv_schedule=KVSchedule.RING
     """The forward tiles of every ring step of ``rank`` for a global visibility ``band``; under the
     ``direct`` K/V schedule every step after step 0 holds only the rows it reads, and under
     ``allgather`` there is one step over the whole sequence (``gather_plan``). ``chunk`` is the
-    rows per chunk, or a tuple of them, one per document of a thd pack: documents see only
-    themselves, so a pack's plan is every document's own plan, side by side in the local shard."""
+    rows per chunk, or a tuple of them, one per document of a thd pack (documents see only
+    themselves, so a pack's plan is every document's own plan, side by side in the local shard),
+    or a ``Layout``; the balanced layout runs under ``allgather`` only."""
     kv_schedule = KVSchedule.parse(kv_schedule, "kv_schedule")
     if kv_schedule is KVSchedule.AUTO:
         raise ValueError("ring_plan needs a resolved kv_schedule ('ring', 'direct' or 'allgather'); "
                          "sinkprof.schedule.comm_schedule resolves 'auto'")
     if not 0 <= rank < cp:
         raise ValueError(f"rank={rank} must be in [0, cp={cp})")
-    chunks = as_chunks(chunk)
-    if not chunks or min(chunks) < 1:
-        raise ValueError(f"chunk={chunk} rows must be >= 1")
+    if not isinstance(chunk, Layout):
+        chunks = as_chunks(chunk)
+        if not chunks or min(chunks) < 1:
+            raise ValueError(f"chunk={chunk} rows must be >= 1")
+    layout = as_layout(cp, chunk)
     if kv_schedule is KVSchedule.ALLGATHER:
-        return gather_plan(cp, rank, chunks, band)
-    if len(chunks) > 1:
-        return _pack_plan(cp, rank, chunks, band, kv_schedule)
-    chunk = chunks[0]
+        return gather_plan(cp, rank, layout, band)
+    if layout.kind is not PackLayout.ZIGZAG:
+        raise ValueError(BALANCED_RUNS)
+    if len(layout.chunks) > 1:
+        return _pack_plan(cp, rank, layout, band, kv_schedule)
+    chunk = layout.chunks[0]
     q_chunks = chunk_ids(cp, rank)
     steps = []
     sink_rows: set[int] = set()
@@ -349,44 +510,47 @@ def ring_plan(cp: int, rank: int, chunk, band: Band, kv_schedule=KVSchedule.RING
         steps.append(_packed(step) if kv_schedule is KVSchedule.DIRECT and i > 0 else step)
     if sink_rows != {0, 1}:  # the diagonal is always visible, so step 0 covers every local row
         raise AssertionError(f"step 0 of rank {rank} does not cover every local row: {sink_rows}")
-    return RankPlan(cp, rank, chunks, _with_parts(steps))
+    return RankPlan(cp, rank, layout, _with_parts(steps))
 
 
 def gather_plan(cp: int, rank: int, chunk, band: Band) -> RankPlan:
     """The plan of ``rank`` under ``KVSchedule.ALLGATHER``: one step whose K/V buffer is the whole
-    sequence (every rank's shard, in sequence order), so each local chunk of each document meets
-    every key it can see in one tile (a causal chunk at position p of its document: the document's
-    first p + c keys). Each local row is in exactly one tile, which carries its sink: nothing is
-    merged. A chunk's two tiles join into one when they read the same keys with one band (no
-    mask); otherwise the first chunks of every document come first, then the second chunks, so a
-    kernel with varlen calls takes each half as one call (``Step.groups``) where their corner bands
-    agree (a one-row chunk, or a window trimming some chunks' keys, ends a run)."""
-    chunks = as_chunks(chunk)
-    per_doc, local, start = [], 0, 0
-    for c in chunks:
-        tiles: list[Tile] = []
-        for a, q in enumerate(chunk_ids(cp, rank)):
-            rows = slice(local + a * c, local + (a + 1) * c)
-            kv_rows, tile_band = _visible_keys(slice(start, start + 2 * cp * c), c, band.shifted(q * c))
-            last = tiles[-1] if tiles else None
-            if last is not None and last.kv_rows == kv_rows and last.band == tile_band == Band():
-                tiles[-1] = dataclasses.replace(last, q_rows=slice(last.q_rows.start, rows.stop))
-            else:
-                tiles.append(Tile(rows, kv_rows, tile_band, True))
-        per_doc.append(tiles)
-        local, start = local + 2 * c, start + 2 * cp * c
-    tiles = tuple(t for a in range(2) for doc in per_doc for t in doc[a:a + 1])
-    step = Step(0, rank, tiles, _union(t.kv_rows for t in tiles), (slice(0, start),), gathered=True)
-    return RankPlan(cp, rank, chunks, _with_parts([step]))
+    sequence (every rank's shard, in sequence order), so each local piece of each document (a
+    chunk, in the zigzag layout) meets every key it can see in one tile (under a causal mask, the
+    document's keys up to the piece's last row). Each local row is in exactly one tile, which
+    carries its sink: nothing is merged. A document's two pieces join into one tile when they read
+    the same keys with one band (no mask); otherwise the first pieces of every document come first,
+    then the second pieces, so a kernel with varlen calls takes each half as one call
+    (``Step.groups``) where their corner bands agree (a one-row piece, or a window trimming some
+    pieces' keys, ends a run)."""
+    layout = as_layout(cp, chunk)
+    halves: tuple[list[Tile], list[Tile]] = ([], [])
+    last_doc = None
+    for at, piece in layout.local_pieces(rank):
+        n, start = piece.stop - piece.start, layout.starts[piece.doc]
+        rows = slice(at, at + n)
+        kv_rows, tile_band = _visible_keys(slice(start, start + layout.docs[piece.doc]), n,
+                                           band.shifted(piece.start - start))
+        second = piece.doc == last_doc
+        last = halves[0][-1] if second else None
+        if last is not None and last.kv_rows == kv_rows and last.band == tile_band == Band():
+            halves[0][-1] = dataclasses.replace(last, q_rows=slice(last.q_rows.start, rows.stop))
+        else:
+            halves[second].append(Tile(rows, kv_rows, tile_band, True))
+        last_doc = piece.doc
+    tiles = tuple(halves[0] + halves[1])
+    step = Step(0, rank, tiles, _union(t.kv_rows for t in tiles), (slice(0, sum(layout.docs)),), gathered=True)
+    return RankPlan(cp, rank, layout, _with_parts([step]))
 
 
 def _shift(rows: slice, offset: int) -> slice:
     return slice(rows.start + offset, rows.stop + offset)
 
 
-def _pack_plan(cp: int, rank: int, chunks: tuple[int, ...], band: Band, kv_schedule: KVSchedule) -> RankPlan:
+def _pack_plan(cp: int, rank: int, layout: Layout, band: Band, kv_schedule: KVSchedule) -> RankPlan:
     """Every document's plan (its rows at its offset in the local shard, the same offset in every
     rank's shard), joined step by step; a document a step cannot see adds no tile and no row."""
+    chunks = layout.chunks
     docs = [ring_plan(cp, rank, c, band) for c in chunks]
     offsets = [0, *itertools.accumulate(2 * c for c in chunks)]
     steps = []
@@ -399,7 +563,7 @@ def _pack_plan(cp: int, rank: int, chunks: tuple[int, ...], band: Band, kv_sched
                       for t in step.tiles]
         step = Step(i, (rank - i) % cp, tuple(tiles), _union(reads), (slice(0, offsets[-1]),))
         steps.append(_packed(step) if kv_schedule is KVSchedule.DIRECT and i > 0 else step)
-    return RankPlan(cp, rank, chunks, _with_parts(steps))
+    return RankPlan(cp, rank, layout, _with_parts(steps))
 
 
 def _packed(step: Step) -> Step:

@@ -23,7 +23,7 @@ import torch
 from . import faults, profiling
 from .kernels.base import BackwardState, add_rows_
 from .options import CPOptions, KVSchedule, SinkStrategy, accum_dtype
-from .plan import RankPlan, Step, Tile, global_rows, rows_in
+from .plan import RankPlan, Step, Tile, rows_in, spec_layout
 from .schedule import CommSchedule, comm_schedule, row_bytes
 from .sink import NEG_INF, merge_parts_, sink_grad, sink_logits
 
@@ -677,8 +677,8 @@ def schedule_for(opts: CPOptions, comm, k: torch.Tensor) -> CommSchedule:
     over this rank's shard ``k`` (a thd pack's documents each have their own chunks)."""
     fmt = opts.spec.qkv_format
     kv_row, dkv_row = row_bytes(k.shape[1 - fmt.seq_dim], k.shape[2], k.shape[3], k.dtype)
-    chunks = opts.spec.chunks(k.shape[fmt.seq_dim] * comm.size, comm.size)
-    return comm_schedule(opts.kv_schedule, comm.size, chunks, opts.spec.band, kv_row, dkv_row)
+    layout = spec_layout(opts.spec, k.shape[fmt.seq_dim] * comm.size, comm.size)
+    return comm_schedule(opts.kv_schedule, comm.size, layout, opts.spec.band, kv_row, dkv_row)
 
 
 class P2PAttention(torch.autograd.Function):
@@ -731,5 +731,5 @@ def _bias_tiles(bias, plan: RankPlan, cp: int, acc) -> Optional[BiasTiles]:
     if bias is None:
         return None
     device = bias.device
-    positions = [global_rows(cp, r, plan.chunks, device) for r in range(cp)]
+    positions = [plan.layout.rows(r, device) for r in range(cp)]
     return BiasTiles(bias, plan, positions[plan.rank], positions, acc)

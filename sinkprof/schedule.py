@@ -30,8 +30,9 @@ from typing import Optional
 
 import torch
 
-from .options import CommType, KVSchedule, accum_dtype, check_a2a_size, check_heads, make_spec
-from .plan import RankPlan, as_chunks, global_rows, ring_plan, rows_in
+from .options import (BALANCED_RUNS, CommType, KVSchedule, PackLayout, accum_dtype, check_a2a_size, check_heads,
+                      make_spec)
+from .plan import RankPlan, as_layout, ring_plan, rows_in, spec_layout
 
 PHASE_KINDS = (("fwd", "kv"), ("fwd", "a2a"), ("bwd", "kv"), ("bwd", "dkv"), ("bwd", "a2a"))
 
@@ -65,11 +66,11 @@ class CommSchedule:
     """Every rank's plan under one K/V schedule, and what moves between them."""
 
     def __init__(self, kind: KVSchedule, cp: int, chunk, band):
-        """``chunk``: rows per chunk, or a tuple of them, one per document of a thd pack."""
+        """``chunk``: rows per chunk, or a tuple of them, one per document of a thd pack, or a ``Layout``."""
         if kind is KVSchedule.AUTO:
             raise ValueError("CommSchedule needs 'ring', 'direct' or 'allgather'; comm_schedule resolves 'auto'")
-        self.kind, self.cp, self.chunks, self.band = kind, cp, as_chunks(chunk), band
-        self.plans: tuple[RankPlan, ...] = tuple(ring_plan(cp, r, self.chunks, band, kind) for r in range(cp))
+        self.kind, self.cp, self.layout, self.band = kind, cp, as_layout(cp, chunk), band
+        self.plans: tuple[RankPlan, ...] = tuple(ring_plan(cp, r, self.layout, band, kind) for r in range(cp))
         self._sequence_rows: dict = {}
 
     def sequence_rows(self, device) -> list[torch.Tensor]:
@@ -78,7 +79,7 @@ class CommSchedule:
         capture it."""
         key = str(torch.device(device))
         if key not in self._sequence_rows:
-            self._sequence_rows[key] = [global_rows(self.cp, r, self.chunks, device) for r in range(self.cp)]
+            self._sequence_rows[key] = [self.layout.rows(r, device) for r in range(self.cp)]
         return self._sequence_rows[key]
 
     def kv_rows(self, reader: int, step: int) -> tuple[slice, ...]:
@@ -106,7 +107,7 @@ class CommSchedule:
             if m_s or m_r:
                 out[key] = (m_s, b_s, m_r, b_r)
 
-        shard = 2 * sum(self.chunks)
+        shard = self.layout.shard_rows
         if cp > 1 and self.kind is KVSchedule.ALLGATHER:
             for peer in range(cp):
                 if peer != rank:
@@ -148,9 +149,12 @@ def row_bytes(b: int, g: int, d: int, dtype: torch.dtype) -> tuple[int, int]:
 @functools.lru_cache(maxsize=256)
 def comm_schedule(kv_schedule, cp: int, chunk, band, kv_row_bytes: int, dkv_row_bytes: int) -> CommSchedule:
     """The schedule asked for; ``auto`` is the one of ``ring`` and ``direct`` moving fewer bytes in
-    all (ring on a tie; ``allgather`` only when asked for). Every rank computes the same answer
-    from the same plan. ``chunk``: as ``CommSchedule`` takes it."""
+    all (ring on a tie; ``allgather`` only when asked for, or for a pack in the balanced layout,
+    which runs under it alone). Every rank computes the same answer from the same plan. ``chunk``:
+    as ``CommSchedule`` takes it."""
     kind = KVSchedule.parse(kv_schedule, "kv_schedule")
+    if kind is KVSchedule.AUTO and as_layout(cp, chunk).kind is PackLayout.BALANCED:
+        kind = KVSchedule.ALLGATHER
     if kind is not KVSchedule.AUTO:
         return CommSchedule(kind, cp, chunk, band)
     ring = CommSchedule(KVSchedule.RING, cp, chunk, band)
@@ -191,9 +195,10 @@ class CaseComm:
 
 
 def case_comm(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp: int, mask="no_mask", window=None,
-              comm="p2p", a2a_size: Optional[int] = None, kv_schedule="auto", cu_seqlens=None) -> CaseComm:
+              comm="p2p", a2a_size: Optional[int] = None, kv_schedule="auto", cu_seqlens=None,
+              pack_layout="zigzag") -> CaseComm:
     """The schedule and message sizes of one case (the arguments of ``comm_bytes``)."""
-    spec = make_spec("vanilla", mask, window, "bshd" if cu_seqlens is None else "thd", cu_seqlens)
+    spec = make_spec("vanilla", mask, window, "bshd" if cu_seqlens is None else "thd", cu_seqlens, pack_layout)
     comm_type = CommType.parse(comm, "comm")
     members = {CommType.P2P: 1, CommType.A2A: cp}.get(comm_type, a2a_size)
     if members is None:
@@ -203,9 +208,11 @@ def case_comm(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp:
     ring_size = cp // members
     if spec.docs and sum(spec.docs) != s:
         raise ValueError(f"cu_seqlens ends at {sum(spec.docs)} but s={s}")
-    spec.chunks(s, cp)   # every document (the sequence) splits into 2 * cp chunks
+    if spec.pack_layout is PackLayout.BALANCED and members > 1:
+        raise ValueError(BALANCED_RUNS)
+    spec_layout(spec, s, cp)   # the layout exists (a zigzag one: every document splits into 2 * cp chunks)
     kv_row, dkv_row = row_bytes(b, g // members, d, dtype)
-    schedule = comm_schedule(kv_schedule, ring_size, spec.chunks(s, ring_size), spec.band, kv_row, dkv_row) \
+    schedule = comm_schedule(kv_schedule, ring_size, spec_layout(spec, s, ring_size), spec.band, kv_row, dkv_row) \
         if ring_size > 1 else None
     size = torch.empty((), dtype=dtype).element_size()
     local = s // cp
@@ -215,7 +222,7 @@ def case_comm(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp:
 
 def comm_bytes(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp: int, mask="no_mask",
                window=None, comm="p2p", a2a_size: Optional[int] = None, kv_schedule="auto",
-               cu_seqlens=None) -> list[Transfer]:
+               cu_seqlens=None, pack_layout="zigzag") -> list[Transfer]:
     """Every message of one CP attention's forward and backward, from the plan alone (no process
     group): one ``Transfer`` per (rank, phase, step, kind, peer), ranks and peers numbered in
     the CP group. The arguments are ``cp_attention``'s words: ``s`` the full sequence, ``h`` query
@@ -223,9 +230,10 @@ def comm_bytes(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp
     fp64 for fp64). Under ``a2a+p2p`` the inner group of CP rank ``o * a2a_size + i`` is
     ``o * a2a_size ..``, its ring links the ranks ``j * a2a_size + i``.
     ``sum(t.sent for t in comm_bytes(...) if t.rank == r)`` is what rank r sends in all. A thd
-    pack of ``s`` tokens gives its document boundaries as ``cu_seqlens`` (and ``b = 1``)."""
+    pack of ``s`` tokens gives its document boundaries as ``cu_seqlens`` (and ``b = 1``) and its
+    ``pack_layout``."""
     case = case_comm(s=s, b=b, h=h, g=g, d=d, dtype=dtype, cp=cp, mask=mask, window=window, comm=comm,
-                     a2a_size=a2a_size, kv_schedule=kv_schedule, cu_seqlens=cu_seqlens)
+                     a2a_size=a2a_size, kv_schedule=kv_schedule, cu_seqlens=cu_seqlens, pack_layout=pack_layout)
     a = case.a2a_size
     out = []
     for rank in range(cp):

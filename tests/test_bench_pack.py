@@ -72,15 +72,17 @@ def test_every_rank_of_the_64k_pack_does_an_equal_share_of_the_documents_causal_
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("kind", ["ring", "allgather"])
-def test_the_pack_ring_each_rank_runs_is_the_packs_attention(bk, cp, kind):
+@pytest.mark.parametrize("kind,layout", [("ring", "zigzag"), ("allgather", "zigzag"), ("allgather", "balanced")])
+def test_the_pack_ring_each_rank_runs_is_the_packs_attention(bk, cp, kind, layout):
     """The benchmark's inputs, shards, schedule and loops (torch tiles, fp32) against the reference."""
-    from sinkprof.options import KVSchedule
+    from sinkprof.options import KVSchedule, PackLayout
     from sinkprof.schedule import CommSchedule
     docs = bk.pack_lengths(16 * cp * 6, 8 * cp, 32 * cp, 2 * cp, seed=cp)
     h, g, d = 4, 2, 8
-    p = bk.pack_setup(cp, h, g, d, docs, "cpu", dtype=torch.float32, seed=3)
-    p.schedule = CommSchedule(KVSchedule.parse(kind, "kind"), cp, p.schedule.chunks, p.schedule.band)
+    p = bk.pack_setup(cp, h, g, d, docs, "cpu", dtype=torch.float32, seed=3,
+                      pack_layout=PackLayout.parse(layout, "layout"))
+    assert p.schedule.layout.kind.value == layout
+    p.schedule = CommSchedule(KVSchedule.parse(kind, "kind"), cp, p.schedule.layout, p.schedule.band)
     assert p.flops == sum(4 * h * d * n * (n + 1) // 2 for n in docs)
     assert sum(bk.rank_flops(plan, 1, h, d) for plan in p.schedule.plans) == p.flops
     assert p.cu_seqlens.dtype == torch.int32 and p.cu_seqlens.tolist() == [0, *itertools.accumulate(docs)]

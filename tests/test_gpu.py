@@ -151,22 +151,24 @@ def _copy_inputs_(dst, src) -> None:
 
 @pytest.mark.parametrize("strategy", [SinkStrategy.STEP0, SinkStrategy.POST_MERGE])
 @pytest.mark.parametrize("mask", ["causal", "no_mask"])
-def test_a_warm_ring_replays_from_a_cuda_graph_on_new_inputs(gpu_kernel, strategy, mask):
-    """Capture every rank's forward and backward schedule once, replay it on other inputs copied
-    into the captured buffers: the replay must match the reference of the new inputs."""
+@pytest.mark.parametrize("kind", ["auto", "allgather"])
+def test_a_warm_ring_replays_from_a_cuda_graph_on_new_inputs(gpu_kernel, strategy, mask, kind):
+    """Capture every rank's forward and backward schedule once (under the K/V schedule ``kind``),
+    replay it on other inputs copied into the captured buffers: the replay must match the
+    reference of the new inputs."""
     spec = make_spec("learnable", mask, None, "bshd")
     shape = Shape(b=1, s=1024, h=8, g=2, d=64)
     first, second = (make_inputs(shape, spec, seed=s) for s in (11, 12))
     static = first.to("cuda", torch.bfloat16)
-    emulate_ring(static, spec, 4, strategy, kernel=gpu_kernel)          # warm-up builds/compiles the kernels
+    emulate_ring(static, spec, 4, strategy, kernel=gpu_kernel, kv_schedule=kind)          # warm-up builds/compiles the kernels
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        emulate_ring(static, spec, 4, strategy, kernel=gpu_kernel)
+        emulate_ring(static, spec, 4, strategy, kernel=gpu_kernel, kv_schedule=kind)
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
-        captured = emulate_ring(static, spec, 4, strategy, kernel=gpu_kernel).result
+        captured = emulate_ring(static, spec, 4, strategy, kernel=gpu_kernel, kv_schedule=kind).result
     _copy_inputs_(static, second.to("cuda", torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
@@ -432,3 +434,22 @@ def test_a_pack_under_allgather_on_fa4_is_two_varlen_calls_and_matches_the_refer
     if window is None:   # one varlen index per group: two per rank under causal; without a mask one group,
         # every document's rows against its whole keys, the same on every rank
         assert len(fa4_kernel._varlen) == (2 * cp if mask == "causal" else 1)
+
+
+@pytest.mark.parametrize("cp,docs", [(2, [512, 1536, 2048]), (4, [256, 2048, 768, 1018, 6]), (8, [4096, 1024, 2048, 640])])
+@pytest.mark.parametrize("mask,window", [("causal", None), ("no_mask", None), ("causal", (127, 0))])
+@pytest.mark.parametrize("softmax_type", ["vanilla", "learnable"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_pack_in_the_balanced_layout_on_fa4_matches_the_reference(fa4_kernel, cp, docs, mask, window,
+                                                                    softmax_type, dtype):
+    """Each rank's pieces (heads and middles, then tails) against their documents' keys as FA4
+    varlen calls under allgather, the shards cut by ``shard(..., pack_layout="balanced")``."""
+    spec = make_spec(softmax_type, mask, window, "thd", [0, *torch.tensor(docs).cumsum(0).tolist()], "balanced")
+    x = make_inputs(Shape(1, sum(docs), 8, 2, 64), spec, seed=cp).to("cuda", dtype)
+    ref = reference(x.to("cuda", torch.float64), spec)
+    tol = tolerance_for(dtype, gqa=True)
+    for strategy in (SinkStrategy.STEP0, SinkStrategy.POST_MERGE):
+        run = emulate_ring(x, spec, cp, strategy, kernel=fa4_kernel)
+        assert run.kv_schedule.value == "allgather"
+        for name, want in ref.named().items():
+            assert compare(run.result.named()[name], want, tol).passed, (strategy, name)

@@ -26,7 +26,7 @@ from ..dist import DEFAULT_TIMEOUT_S, where
 from ..faults import RANK_FAILURES, Fault
 from ..kernels import get_kernel
 from ..options import DTYPES, CommType, CPOptions, KVSchedule, QKVFormat, accum_dtype, check_scale
-from ..plan import global_rows, shard
+from ..plan import shard, spec_layout
 from ..ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
 from ..schedule import comm_schedule, resolved_kv_schedule, row_bytes
 from ..sink import sink_logits
@@ -100,7 +100,7 @@ def kv_schedule_of(case: Case, cp: int) -> str:
     sh = case.shape
     kind = resolved_kv_schedule(s=sh.s, b=sh.b, h=sh.h, g=sh.g, d=sh.d, dtype=DTYPES[case.dtype], cp=cp,
                                 mask=case.mask, window=case.window, comm=case.comm, a2a_size=case.a2a_size,
-                                kv_schedule=case.kv_schedule, cu_seqlens=case.cu_seqlens)
+                                kv_schedule=case.kv_schedule, cu_seqlens=case.cu_seqlens, pack_layout=case.pack_layout)
     return "" if kind is None else kind.value
 
 
@@ -242,10 +242,11 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
     sd, cu = spec.qkv_format.seq_dim, spec.cu_seqlens
     host = make_inputs(case.shape, spec, settings.seed, with_bias=case.bias)
     x = host.to(device, dtype)
-    q, k, v = (shard(t, cp, rank, sd, cu).requires_grad_() for t in (x.q, x.k, x.v))
+    pl = spec.pack_layout
+    q, k, v = (shard(t, cp, rank, sd, cu, pl).requires_grad_() for t in (x.q, x.k, x.v))
     offset = x.offset.requires_grad_() if x.offset is not None else None
     bias = x.bias.requires_grad_() if x.bias is not None else None
-    grad_out = shard(x.grad_out, cp, rank, sd, cu)
+    grad_out = shard(x.grad_out, cp, rank, sd, cu, pl)
     a2a_size = case.a2a_size if case.comm is CommType.A2A_P2P else None
     backend_name = get_kernel(settings.backend, device).name
     meta = metadata(case, cp, device, backend_name, False, opts.phase)
@@ -259,7 +260,7 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
             return cp_attention(q, k, v, offset, comm=case.comm, softmax_type=case.softmax, mask=case.mask,
                                 window=case.window, bias=bias, qkv_format=case.qkv_format, backend=settings.backend,
                                 sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=opts.timeout,
-                                a2a_size=a2a_size, kv_schedule=case.kv_schedule, cu_seqlens=cu)
+                                a2a_size=a2a_size, kv_schedule=case.kv_schedule, cu_seqlens=cu, pack_layout=pl)
 
     def bwd(out):
         out.backward(grad_out)
@@ -293,7 +294,7 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
             try:
                 settings.shape.validate(cp)
                 for case in expand(settings):
-                    case.spec().chunks(case.shape.s, cp)   # every document of a pack splits into 2 * cp chunks
+                    spec_layout(case.spec(), case.shape.s, cp)   # zigzag: every document in 2 * cp chunks
             except ValueError as exc:
                 raise ValueError(f"--simulate {cp}: {exc}") from None
     writer = RowWriter(opts.csv)
@@ -332,16 +333,16 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
     kernel = get_kernel(settings.backend, device)
     copts = CPOptions(spec, check_scale(None, case.shape.d), kernel, case.sink_strategy)
     sink = sink_logits(spec.softmax_type, x.offset, case.shape.h, device)
-    chunks = spec.chunks(case.shape.s, cp)
-    schedule = comm_schedule(case.kv_schedule, cp, chunks, spec.band,
+    layout, pl = spec_layout(spec, case.shape.s, cp), spec.pack_layout
+    schedule = comm_schedule(case.kv_schedule, cp, layout, spec.band,
                              *row_bytes(case.shape.b, case.shape.g, case.shape.d, dtype))
-    ks = [fmt.to_bhsd(shard(x.k, cp, r, sd, cu)) for r in range(cp)]
-    vs = [fmt.to_bhsd(shard(x.v, cp, r, sd, cu)) for r in range(cp)]
-    positions = [global_rows(cp, r, chunks, device) for r in range(cp)]
+    ks = [fmt.to_bhsd(shard(x.k, cp, r, sd, cu, pl)) for r in range(cp)]
+    vs = [fmt.to_bhsd(shard(x.v, cp, r, sd, cu, pl)) for r in range(cp)]
+    positions = [layout.rows(r, device) for r in range(cp)]
     for rank in range(cp):
         plan = schedule.plans[rank]
-        q = shard(x.q, cp, rank, sd, cu)
-        do = fmt.to_bhsd(shard(x.grad_out, cp, rank, sd, cu))
+        q = shard(x.q, cp, rank, sd, cu, pl)
+        do = fmt.to_bhsd(shard(x.grad_out, cp, rank, sd, cu, pl))
         bias = BiasTiles(x.bias, plan, positions[rank], positions, acc) if x.bias is not None else None
         lse = torch.empty(q.shape[1 - sd], case.shape.h, q.shape[sd], dtype=acc, device=device)
         out = torch.empty_like(q)

@@ -17,9 +17,10 @@ import torch
 
 from ..dist import DEFAULT_TIMEOUT_S
 from ..kernels import unavailable_reason
-from ..options import (DTYPES, AttnSpec, Backend, CommType, KVSchedule, MaskType, QKVFormat, SinkGrad, SinkStrategy,
-                       SoftmaxType, check_a2a_size, check_heads, check_sink_strategy, make_spec, parse_dtype,
-                       window_pair)
+from ..options import (DTYPES, AttnSpec, Backend, CommType, KVSchedule, MaskType, PackLayout, QKVFormat, SinkGrad,
+                       SinkStrategy, SoftmaxType, check_a2a_size, check_heads, check_sink_strategy, make_spec,
+                       parse_dtype, window_pair)
+from ..plan import spec_layout
 from ..testing import Shape
 
 DEFAULT_DOCS = 3    # documents of a thd pack given neither --seqlens nor --docs (fewer if the pack is short)
@@ -37,6 +38,7 @@ class Settings:
     sink_strategy: tuple = ("step0",)
     sink_grad: tuple = ("full",)
     kv_schedule: tuple = ("auto",)
+    pack_layout: str = "zigzag"       # thd: which rows of the pack each rank holds
     window: Optional[tuple] = None
     bias: bool = False
     a2a_size: int = 2
@@ -105,6 +107,19 @@ class Settings:
                              f"documents of a thd pack, but "
                              f"--qkv-format is {','.join(self.qkv_format)}; add thd (e.g. --qkv-format thd) "
                              f"or drop {' and '.join(map(option, given))}")
+        layout = PackLayout.parse(self.pack_layout, "--pack-layout")
+        if layout is PackLayout.BALANCED:
+            if not self.thd:
+                raise ValueError(f"--pack-layout balanced lays out the documents of a thd pack, but --qkv-format is "
+                                 f"{','.join(self.qkv_format)}; add thd (e.g. --qkv-format thd) or drop --pack-layout")
+            others = [c for c in self.comm if CommType.parse(c, "--comm") is not CommType.P2P]
+            rings = [k for k in self.kv_schedule
+                     if KVSchedule.parse(k, "--kv-schedule") not in (KVSchedule.AUTO, KVSchedule.ALLGATHER)]
+            if others or rings:
+                given = " ".join(f"{o} {','.join(v)}" for o, v in (("--comm", others), ("--kv-schedule", rings)) if v)
+                raise ValueError(f"--pack-layout balanced ({given}): its pieces of a document sit on a few ranks, "
+                                 f"not in 2 * cp chunks on every rank, so it runs on --comm p2p with --kv-schedule "
+                                 f"allgather (or auto, which takes it); run the other cases with --pack-layout zigzag")
         if not self.thd:
             return
         if self.bias and set(self.qkv_format) == {QKVFormat.THD.value}:
@@ -118,7 +133,7 @@ class Settings:
                 raise ValueError(f"--seqlens {text} sums to {sum(self.seqlens)} tokens but --seq-len is {self.seq_len}; "
                                  f"--seqlens sets the pack's length: drop --seq-len")
             try:
-                self.pack_spec(self.seqlens).chunks(self.seq_len, self.ranks)
+                spec_layout(self.pack_spec(self.seqlens, self.pack_layout), self.seq_len, self.ranks)
             except ValueError as exc:
                 raise ValueError(f"--seqlens {text} at --ranks {self.ranks}: {exc}") from None
         elif self.seq_len % (2 * self.ranks) == 0:   # else the --seq-len check below says so
@@ -130,8 +145,8 @@ class Settings:
         return QKVFormat.THD.value in self.qkv_format
 
     @staticmethod
-    def pack_spec(docs) -> AttnSpec:
-        return make_spec("vanilla", "no_mask", None, "thd", [0, *itertools.accumulate(docs)])
+    def pack_spec(docs, pack_layout="zigzag") -> AttnSpec:
+        return make_spec("vanilla", "no_mask", None, "thd", [0, *itertools.accumulate(docs)], pack_layout)
 
     def documents(self, cps: tuple = ()) -> tuple[int, ...]:
         """The documents of this run's thd pack: ``seqlens``, or ``docs`` (default ``DEFAULT_DOCS``,
@@ -257,6 +272,7 @@ class Case:
     a2a_size: int = 2
     kv_schedule: KVSchedule = KVSchedule.AUTO
     docs: tuple = ()                 # thd: the documents' lengths, in order
+    pack_layout: PackLayout = PackLayout.ZIGZAG   # thd: which rows of the pack each rank holds
 
     @property
     def cu_seqlens(self) -> Optional[list]:
@@ -264,7 +280,7 @@ class Case:
         return [0, *itertools.accumulate(self.docs)] if self.docs else None
 
     def spec(self) -> AttnSpec:
-        return make_spec(self.softmax, self.mask, self.window, self.qkv_format, self.cu_seqlens)
+        return make_spec(self.softmax, self.mask, self.window, self.qkv_format, self.cu_seqlens, self.pack_layout)
 
     def parts(self) -> dict:
         """The case in words, one entry per option it sets (option name -> text), in label order."""
@@ -272,6 +288,8 @@ class Case:
                  "softmax": self.softmax.value, "mask": self.mask.value, "qkv_format": self.qkv_format.value}
         if self.docs:
             parts["docs"] = f"docs={seqlens_text(self.docs)}"
+        if self.pack_layout is not PackLayout.ZIGZAG:
+            parts["pack_layout"] = f"layout={self.pack_layout.value}"
         parts["dtype"] = self.dtype
         if self.softmax.has_sink:
             parts.update(sink_strategy=self.sink_strategy.value, sink_grad=f"grad={self.sink_grad.value}")
@@ -307,7 +325,8 @@ def expand(settings: Settings) -> list[Case]:
             cases.append(Case(CommType.parse(comm, "comm"), sm, MaskType.parse(mask, "mask"), fmt, dtype,
                               SinkStrategy.parse(strategy, "sink_strategy"), SinkGrad.parse(contract, "sink_grad"),
                               settings.window, bias, shape, settings.a2a_size, KVSchedule.parse(kv, "kv_schedule"),
-                              docs if thd else ()))
+                              docs if thd else (), PackLayout.parse(settings.pack_layout, "--pack-layout")
+                              if thd else PackLayout.ZIGZAG))
     return cases
 
 
@@ -334,6 +353,7 @@ class CaseOptions:
     sink_strategy: Optional[str] = None
     sink_grad: Optional[str] = None
     kv_schedule: Optional[str] = None
+    pack_layout: Optional[str] = None
     window: Optional[str] = None
     bias: Optional[bool] = None
     batch: Optional[int] = None

@@ -25,7 +25,7 @@ from ..dist import where
 from ..faults import Fault
 from ..kernels import get_kernel
 from ..options import CommType, DTYPES, SinkGrad
-from ..plan import global_rows, shard
+from ..plan import Layout, shard, spec_layout
 from ..schedule import PHASE_KINDS, CaseComm, case_comm
 from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_inputs, reference,
                        shares_storage, tolerance_for)
@@ -66,28 +66,27 @@ def case_traffic(case: Case, cp: int) -> CaseComm:
     sh = case.shape
     return case_comm(s=sh.s, b=sh.b, h=sh.h, g=sh.g, d=sh.d, dtype=DTYPES[case.dtype], cp=cp, mask=case.mask,
                      window=case.window, comm=case.comm, a2a_size=case.a2a_size, kv_schedule=case.kv_schedule,
-                     cu_seqlens=case.cu_seqlens)
+                     cu_seqlens=case.cu_seqlens, pack_layout=case.pack_layout)
 
 
 # The tensors compared, in a fixed order so ranks can reduce them element by element.
 NAMES = ("out", "dq", "dk", "dv", "d_sink", "d_sink_sum", "d_bias", "d_bias_sum", "comm", "reference")
 
 
-def shard_rows(s: int, cp: int, ranks, chunks) -> torch.Tensor:
-    """Bool over the ``s`` rows of the sequence (or pack): the rows of the given ranks' shards;
-    ``chunks`` as ``spec.chunks(s, cp)`` gives them (one per document of a pack)."""
+def shard_rows(s: int, cp: int, ranks, layout: Layout) -> torch.Tensor:
+    """Bool over the ``s`` rows of the sequence (or pack): the rows of the given ranks' shards."""
     rows = torch.zeros(s, dtype=torch.bool)
     for rank in ranks:
-        rows[global_rows(cp, rank, chunks)] = True
+        rows[layout.rows(rank)] = True
     return rows
 
 
-def own_part(comm: CommType, shape: Shape, cp: int, rank: int, a2a_size: int, chunks) -> tuple:
+def own_part(comm: CommType, shape: Shape, cp: int, rank: int, a2a_size: int, layout: Layout) -> tuple:
     """(rows, heads) masks of what a rank computes, so its ``partial`` gradients can be checked:
     its shard's rows under p2p, its heads under a2a, its group's rows and its heads under a2a+p2p."""
     members = a2a_members(comm, cp, a2a_size)
     group, inner = divmod(rank, members)
-    rows = shard_rows(shape.s, cp, range(group * members, (group + 1) * members), chunks)
+    rows = shard_rows(shape.s, cp, range(group * members, (group + 1) * members), layout)
     heads = torch.zeros(shape.h, dtype=torch.bool)
     per = shape.h // members
     heads[inner * per:(inner + 1) * per] = True
@@ -101,14 +100,14 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     spec = case.spec()
     dtype = DTYPES[case.dtype]
     sd, cu = spec.qkv_format.seq_dim, spec.cu_seqlens
-    chunks = spec.chunks(case.shape.s, cp)   # rows per load-balanced chunk (of each document of a pack)
+    layout = spec_layout(spec, case.shape.s, cp)   # which rows each rank holds
     host = make_inputs(case.shape, spec, seed, with_bias=case.bias)
     # The reference sees exactly the values the CP run sees (rounded to the case's dtype).
     rounded = host.to("cpu", dtype)
     comm = comm_for(None, timeout)
     # One reference per case, shared: each rank computes its own rows (out and dq of its shard, its
     # rows' share of dk, dv and the replicated gradients), and the shares are summed.
-    mine = shard_rows(case.shape.s, cp, [rank], chunks)
+    mine = shard_rows(case.shape.s, cp, [rank], layout)
     ref = reference(rounded.to(device, torch.float64), spec, rows=mine)
     for name, t in (("dk", ref.dk), ("dv", ref.dv), ("d_sink", ref.d_offset), ("d_bias", ref.d_bias)):
         if t is not None:
@@ -116,14 +115,15 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     snapshot = Snapshot.of(ref)
     ref_part = None
     if case.sink_grad is SinkGrad.PARTIAL and (host.offset is not None or host.bias is not None):
-        rows, heads = own_part(case.comm, case.shape, cp, rank, case.a2a_size, chunks)
+        rows, heads = own_part(case.comm, case.shape, cp, rank, case.a2a_size, layout)
         ref_part = reference(rounded.to(device, torch.float64), spec, rows=rows, heads=heads)
 
     x = rounded.to(device, dtype)
-    q, k, v = (shard(t, cp, rank, sd, cu).requires_grad_() for t in (x.q, x.k, x.v))
+    pl = spec.pack_layout
+    q, k, v = (shard(t, cp, rank, sd, cu, pl).requires_grad_() for t in (x.q, x.k, x.v))
     offset = x.offset.requires_grad_() if x.offset is not None else None
     bias = x.bias.requires_grad_() if x.bias is not None else None
-    grad_out = shard(x.grad_out, cp, rank, sd, cu)
+    grad_out = shard(x.grad_out, cp, rank, sd, cu, pl)
     kernel = get_kernel(backend, device)
     refused_before = set(getattr(kernel, "refused", dict)())
     a2a_size = case.a2a_size if case.comm is CommType.A2A_P2P else None
@@ -136,7 +136,7 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     out = cp_attention(q, k, v, offset, comm=case.comm, softmax_type=case.softmax, mask=case.mask,
                        window=case.window, bias=bias, qkv_format=case.qkv_format, backend=backend,
                        sink_strategy=case.sink_strategy, sink_grad=case.sink_grad, timeout=timeout,
-                       a2a_size=a2a_size, kv_schedule=case.kv_schedule, cu_seqlens=cu)
+                       a2a_size=a2a_size, kv_schedule=case.kv_schedule, cu_seqlens=cu, pack_layout=pl)
     faults.active.alias_reference(offset, ref)
     where.phase, where.step, where.op = "bwd", 0, "cp_attention backward"
     out.backward(grad_out)
@@ -151,7 +151,7 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     errors: dict[str, Error] = {}
     for name, mine, theirs in (("out", got.out, ref.out), ("dq", got.dq, ref.dq), ("dk", got.dk, ref.dk),
                                ("dv", got.dv, ref.dv)):
-        errors[name] = compare(mine, shard(theirs, cp, rank, sd, cu), tol)
+        errors[name] = compare(mine, shard(theirs, cp, rank, sd, cu, pl), tol)
     for name, mine, full_ref, part_ref in (("d_sink", got.d_offset, ref.d_offset, ref_part and ref_part.d_offset),
                                            ("d_bias", got.d_bias, ref.d_bias, ref_part and ref_part.d_bias)):
         if mine is None:

@@ -17,8 +17,8 @@ import torch
 
 from ..faults import RANK_FAILURES, Fault, Injected
 from ..kernels import resolve_backend
-from ..options import DTYPES, AttnSpec, Backend, CommType, KVSchedule, SoftmaxType, accum_dtype
-from ..plan import PARTS, ring_plan
+from ..options import DTYPES, AttnSpec, Backend, CommType, KVSchedule, PackLayout, SoftmaxType, accum_dtype
+from ..plan import PARTS, ring_plan, spec_layout
 from .cases import Case, a2a_members, expand
 
 GIB = 2 ** 30
@@ -88,11 +88,13 @@ def sink_counted_again(spec: AttnSpec, s: int, ring: int, kv_schedule=KVSchedule
     """Whether the every-tile bug can change a result on a ring of ``ring`` ranks: some rank has a
     row that a second tile sees (the bug counts that row's sink again). Not on a one-rank ring (its
     one step is one tile per document), nor under a window that sees no key beyond the own chunk,
-    nor under ``allgather`` (each row's keys are one tile). ``auto`` has the tiles of ``ring``."""
+    nor under ``allgather`` (each row's keys are one tile). ``auto`` has the tiles of ``ring``, and
+    of ``allgather`` for a pack in the balanced layout (which runs under it alone)."""
     kind = KVSchedule.parse(kv_schedule, "kv_schedule")
-    kind = KVSchedule.RING if kind is KVSchedule.AUTO else kind
-    chunks = spec.chunks(s, ring)
-    return any(not tile.sink for rank in range(ring) for step in ring_plan(ring, rank, chunks, spec.band, kind).steps
+    layout = spec_layout(spec, s, ring)
+    if kind is KVSchedule.AUTO:
+        kind = KVSchedule.RING if layout.kind is PackLayout.ZIGZAG else KVSchedule.ALLGATHER
+    return any(not tile.sink for rank in range(ring) for step in ring_plan(ring, rank, layout, spec.band, kind).steps
                for tile in step.tiles)
 
 
@@ -104,11 +106,11 @@ def _doc_leak_shows(case: Case, ranks: int) -> bool:
         return False
     ring = ring_ranks(case, ranks)
     spec = case.spec()
-    chunks = spec.chunks(case.shape.s, ring)
+    layout = spec_layout(spec, case.shape.s, ring)
     leak = Injected(Fault.DOC_LEAK)
     kind = _ring_schedule(case, ranks)
     for rank in range(ring):
-        plan = ring_plan(ring, rank, chunks, spec.band, kind)
+        plan = ring_plan(ring, rank, layout, spec.band, kind)
         for tile, leaked in zip(plan.steps[0].tiles, leak.ring_plan(plan).steps[0].tiles):
             n_q = tile.q_rows.stop - tile.q_rows.start
             seen = tile.band.count(n_q, tile.kv_rows.stop - tile.kv_rows.start)
@@ -205,10 +207,14 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
     if tile_scores or case.bias:    # bias tiles fall back to the torch tiles
         # the largest tile: step 0's 2c x 2c of the outer ring (every tile under no_mask), on the
         # heads a rank keeps after the inner a2a; a2a alone is a ring of one rank (c = s / 2);
-        # under allgather a chunk's rows against its whole document
+        # under allgather a chunk's rows against its whole document (a piece's, in the balanced layout)
         chunk = max(1, max(case.docs, default=sh.s) // (2 * ring))   # of the longest document
-        keys = 2 * ring * chunk if gather else 2 * chunk
-        device += 3 * sh.b * max(1, sh.h // members) * 2 * chunk * keys * acc   # its scores, probabilities, gradient
+        rows, keys = 2 * chunk, (2 * ring * chunk if gather else 2 * chunk)
+        if case.pack_layout is PackLayout.BALANCED:
+            layout = spec_layout(case.spec(), sh.s, ring)
+            rows, keys = max(((p.stop - p.start, layout.docs[p.doc]) for r in layout.ranks for p in r),
+                             key=lambda rk: rk[0] * rk[1])
+        device += 3 * sh.b * max(1, sh.h // members) * rows * keys * acc   # its scores, probabilities, gradient
     return host, device
 
 
