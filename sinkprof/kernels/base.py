@@ -56,9 +56,10 @@ class TileKernel(Protocol):
         ``lse`` ``[b, h, n]`` (into ``out``, ``lse`` when given)."""
 
     def backward_group(self, q, k, v, o, grad_out, lse, rows: tuple[slice, ...], cols: tuple[slice, ...],
-                       bands: tuple[Band, ...], sink, scale: float) -> TileGrads:
-        """The backward of ``forward_group``'s tiles: dq ``[b, h, n, d]`` valid on ``rows``, dK, dV
-        ``[b, g, n_kv, d]`` valid on ``cols``, and the rows' sink gradient."""
+                       bands: tuple[Band, ...], sink, scale: float, *, dq=None) -> TileGrads:
+        """The backward of ``forward_group``'s tiles: dq ``[b, h, n, d]`` valid on ``rows`` (written
+        into ``dq`` when given, its other rows untouched), dK, dV ``[b, g, n_kv, d]`` valid on
+        ``cols``, and the rows' sink gradient."""
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,14 @@ class RowsBackward(Protocol):
 
 class TileRowsBackward:
     """A rank's rows tile after tile: each tile's dq written (first tile) or added into an
-    accumulator (``state.dq`` itself when it has the accumulator dtype)."""
+    accumulator (``state.dq`` itself when it has the accumulator dtype). With ``single`` (every
+    row in one tile: the allgather schedule's one step) there is nothing to add: each tile's dq is
+    written straight into ``state.dq``, a group's by the kernel itself."""
 
-    def __init__(self, kernel: TileKernel, state: BackwardState, scale: float):
-        self.kernel, self.state, self.scale = kernel, state, scale
+    def __init__(self, kernel: TileKernel, state: BackwardState, scale: float, *, single: bool = False):
+        self.kernel, self.state, self.scale, self.single = kernel, state, scale, single
         acc = accum_dtype(state.q.dtype)
-        self.acc = state.dq if state.dq.dtype == acc else torch.empty_like(state.dq, dtype=acc)
+        self.acc = state.dq if single or state.dq.dtype == acc else torch.empty_like(state.dq, dtype=acc)
 
     def tile(self, rows: slice, k, v, band: Band, sink, bias, *, first: bool) -> TileGrads:
         s = self.state
@@ -110,6 +113,9 @@ class TileRowsBackward:
 
     def group(self, rows, k, v, cols, bands, sink, *, first: bool) -> TileGrads:
         s = self.state
+        if self.single:
+            return self.kernel.backward_group(s.q, k, v, s.out, s.grad_out, s.lse, rows, cols, bands, sink, self.scale,
+                                              dq=self.acc)
         grads = self.kernel.backward_group(s.q, k, v, s.out, s.grad_out, s.lse, rows, cols, bands, sink, self.scale)
         add_rows_(self.acc, grads.dq, rows, write=first)
         return grads
@@ -124,7 +130,7 @@ class TileByTile:
     dq added into the ring's accumulator, a group's tiles one after the other."""
 
     def rows_backward(self, state: BackwardState, *, scale: float, tiles, biased: bool) -> TileRowsBackward:
-        return TileRowsBackward(self, state, scale)
+        return TileRowsBackward(self, state, scale, single=one_tile_per_row(tiles))
 
     def forward_group(self, q, k, v, rows, cols, bands, sink, scale: float, *, out=None, lse=None):
         if out is None:
@@ -135,9 +141,9 @@ class TileByTile:
                          lse=lse[:, :, r])
         return out, lse
 
-    def backward_group(self, q, k, v, o, grad_out, lse, rows, cols, bands, sink, scale: float) -> TileGrads:
+    def backward_group(self, q, k, v, o, grad_out, lse, rows, cols, bands, sink, scale: float, *, dq=None) -> TileGrads:
         acc = accum_dtype(q.dtype)
-        dq = torch.empty(q.shape, dtype=acc, device=q.device)
+        dq = torch.empty(q.shape, dtype=acc, device=q.device) if dq is None else dq
         dk = torch.empty(k.shape, dtype=acc, device=k.device)
         dv = torch.empty(v.shape, dtype=acc, device=v.device)
         d_sink = None if sink is None else torch.zeros_like(sink)
@@ -151,6 +157,12 @@ class TileByTile:
 
 
 IO_DTYPES = (torch.bfloat16, torch.float16)   # what the GPU backends take; other dtypes run on torch
+
+
+def one_tile_per_row(tiles) -> bool:
+    """Every tile is its rows' first (``Tile.sink``): the first tiles cover each row once, so
+    every row is in exactly one tile and its dq needs no accumulator."""
+    return bool(tiles) and all(t.sink for t in tiles)
 
 
 def add_rows_(dst: torch.Tensor, src: torch.Tensor, rows: tuple[slice, ...], *, write: bool = False) -> None:

@@ -42,8 +42,8 @@ import torch
 
 from ..options import Band, SinkStrategy
 from . import fa4_rows
-from .base import (INDEX_CACHE, IO_DTYPES, BackwardState, TileByTile, TileGrads, TileRowsBackward, backward_trimmed,
-                   deliver, empty_bshd, forward_trimmed, optional_module, trim_band)
+from .base import (INDEX_CACHE, IO_DTYPES, BackwardState, TileByTile, TileGrads, TileRowsBackward, add_rows_,
+                   backward_trimmed, deliver, empty_bshd, forward_trimmed, one_tile_per_row, optional_module, trim_band)
 from .torch_tiles import TorchTiles
 
 log = logging.getLogger("sinkprof.fa4")
@@ -191,7 +191,7 @@ class FA4Tiles(TileByTile):
             why = fa4_rows.unqualified(tiles, state.q.shape[2], cfg.m_block_size)
         if why is not None:
             log.debug("fa4 backward tile by tile: %s", why)
-            return TileRowsBackward(self, state, scale)
+            return TileRowsBackward(self, state, scale, single=one_tile_per_row(tiles))
         return fa4_rows.FA4RowsBackward(_fa4, state, scale, cfg,
                                         kv_rows=max(t.kv_rows.stop - t.kv_rows.start for t in tiles),
                                         window=fa4_window, quiet=_program_name_only)
@@ -250,14 +250,24 @@ class FA4Tiles(TileByTile):
                                  **varlen)
         return out, lse
 
-    def backward_group(self, q, k, v, o, grad_out, lse, rows, cols, bands, sink, scale):
-        varlen = self._varlen_args(q, k, rows, cols, bands)
+    def backward_group(self, q, k, v, o, grad_out, lse, rows, cols, bands, sink, scale, *, dq=None):
+        """One varlen call over the keys the group reads (from its first tile's first key to its last
+        tile's last: under GQA FA4 zeroes and converts an fp32 dK/dV accumulator as long as the keys it
+        is given); dq written straight into ``dq`` when that is a contiguous bshd tensor of q's dtype."""
+        lo, hi = min(c.start for c in cols), max(c.stop for c in cols)
+        span = tuple(slice(c.start - lo, c.stop - lo) for c in cols)
+        varlen = self._varlen_args(q, k[:, :, lo:hi], rows, span, bands)
         if varlen is None:
-            return super().backward_group(q, k, v, o, grad_out, lse, rows, cols, bands, sink, scale)
-        dq, dk, dv = empty_bshd(q, q.shape[2]), empty_bshd(k, k.shape[2]), empty_bshd(v, v.shape[2])
+            return super().backward_group(q, k, v, o, grad_out, lse, rows, cols, bands, sink, scale, dq=dq)
+        direct = dq is not None and dq.dtype == q.dtype and _bshd(dq).is_contiguous()
+        out_dq = dq if direct else empty_bshd(q, q.shape[2])
+        dk, dv = empty_bshd(k, k.shape[2]), empty_bshd(v, v.shape[2])
         with _program_name_only():
-            grads = _fa4._flash_attn_bwd(_bshd(q)[0], _bshd(k)[0], _bshd(v)[0], _bshd(o)[0], _bshd(grad_out)[0],
-                                         lse[0], softmax_scale=scale, dq=_bshd(dq)[0], dk=_bshd(dk)[0],
-                                         dv=_bshd(dv)[0], learnable_sink=self._sink(sink), **varlen)
+            grads = _fa4._flash_attn_bwd(_bshd(q)[0], _bshd(k)[0, lo:hi], _bshd(v)[0, lo:hi], _bshd(o)[0],
+                                         _bshd(grad_out)[0], lse[0], softmax_scale=scale, dq=_bshd(out_dq)[0],
+                                         dk=_bshd(dk)[0, lo:hi], dv=_bshd(dv)[0, lo:hi],
+                                         learnable_sink=self._sink(sink), **varlen)
+        if dq is not None and not direct:
+            add_rows_(dq, out_dq, rows, write=True)
         d_sink = None if sink is None else grads[3].reshape(sink.shape)
-        return TileGrads(dq, dk, dv, d_sink, None)
+        return TileGrads(out_dq if dq is None else dq, dk, dv, d_sink, None)
