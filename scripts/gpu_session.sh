@@ -213,6 +213,6 @@ if [[ $what == *" layout7 "* ]]; then   # <= 560 s: the balanced pack layout (is
 fi
 if [[ $what == *" layout7b "* ]]; then   # <= 520 s: a group's backward over the keys it reads, dq written in place
   run pack_layout_b 200 python3 scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 \
-      --ring-backends fa4,fa4+comm --kv-schedules allgather --pack-layouts zigzag,balanced --out "$OUT/pack_layout_b.json"
+      --ring-backends fa4,fa4+comm --kv-schedules allgather --pack-layouts zigzag,balanced --profile-step --out "$OUT/pack_layout_b.json"
   run gpu_tests_groups 320 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "pack or allgather or cuda_graph"
 fi
