@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import typer
 
 from . import __version__
-from .options import KVSchedule, MaskType, SinkStrategy
+from .options import KVSchedule, MaskType, PackLayout, SinkStrategy
 from .tool.cases import CaseOptions
 from .tool.errors import Command
 from .tool import preflight
@@ -245,6 +245,9 @@ def emulate(
                                                                   "a multiple of 2 * every cp (sets --seq-len)."),
     docs: Optional[int] = typer.Option(None, "--docs", help="thd: this many documents of random lengths from --seed, "
                                                             "summing to --seq-len."),
+    pack_layout: str = typer.Option("zigzag", "--pack-layout",
+                                    help="thd: zigzag (every document in 2 * cp chunks) or balanced (a few long "
+                                         "pieces per document; replayed under allgather, which 'all' then means)."),
     batch: Optional[int] = typer.Option(None, "--batch", min=1, help="Batch of bshd and sbhd (default 2; thd: 1)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2,
                                           help="Full sequence length (divisible by 2 * every cp; default 64)."),
@@ -267,16 +270,21 @@ def emulate(
 
     cps = split_list(cp, "--cp", positive_int)
     formats = split_list(qkv_format, "--qkv-format", QKVFormat.parse, allowed=[f.value for f in QKVFormat])
+    layout = PackLayout.parse(pack_layout, "--pack-layout")
     seq_len, batch, lengths = pack(formats, cps, seq_len=seq_len, batch=batch, docs=docs, seed=seed,
-                                   seqlens=None if seqlens is None else parse_seqlens(seqlens, "--seqlens"))
+                                   seqlens=None if seqlens is None else parse_seqlens(seqlens, "--seqlens"),
+                                   pack_layout=layout)
     masks = split_list(mask, "--mask", lambda v, option: v, allowed=[m.value for m in MaskType])
     strategies = split_list(strategy, "--strategy", SinkStrategy.parse, allowed=[x.value for x in SinkStrategy])
     schedules = split_list(kv_schedule, "--kv-schedule", KVSchedule.parse, allowed=[x.value for x in KVSchedule])
-    if kv_schedule.strip() == "all":
-        schedules = [k for k in KVSchedule if k is not KVSchedule.AUTO]
+    if kv_schedule.strip() == "all":   # every schedule the layout runs under
+        schedules = [k for k in KVSchedule if k is not KVSchedule.AUTO
+                     and (layout is PackLayout.ZIGZAG or k is KVSchedule.ALLGATHER)]
+    if strategy.strip() == "all" and set(schedules) == {KVSchedule.ALLGATHER}:   # each row's keys are one tile
+        strategies = [s for s in strategies if s is not SinkStrategy.EVERY_TILE]
     check_writable(output, "--output")
     raise typer.Exit(run(cps, comm, a2a_size, masks, strategies, Shape(batch, seq_len, heads, kv_heads, head_dim),
-                         seed, window, Output(fmt, output), schedules, formats, lengths))
+                         seed, window, Output(fmt, output), schedules, formats, lengths, layout))
 
 
 @command()

@@ -420,3 +420,83 @@ def test_the_readme_cp_pack_script_runs_under_torchrun(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     err = float(res.stdout.split("max |cp - reference|:")[1].split()[0])
     assert err < 1e-5
+
+
+# ---- the balanced pack layout in the tool ----
+
+@pytest.mark.parametrize("args,message", [
+    (["check", "--pack-layout", "balanced"], "--pack-layout balanced lays out the documents of a thd pack"),
+    (["check", "--qkv-format", "thd", "--pack-layout", "balanced", "--comm", "p2p,a2a"],
+     "--pack-layout balanced (--comm a2a)"),
+    (["check", "--qkv-format", "thd", "--pack-layout", "balanced", "--kv-schedule", "ring,allgather"],
+     "--pack-layout balanced (--kv-schedule ring)"),
+    (["check", "--qkv-format", "thd", "--pack-layout", "balanced", "--seqlens", "30,33,1"],
+     "document 1 has 33 tokens"),
+    (["check", "--qkv-format", "thd", "--pack-layout", "diagonal"], "--pack-layout='diagonal' is not supported"),
+    (["bench", "--qkv-format", "thd", "--pack-layout", "balanced", "--kv-schedule", "direct"],
+     "--pack-layout balanced (--kv-schedule direct)"),
+])
+def test_pack_layout_usage_errors_start_no_rank(no_launch, args, message):
+    _refused(args, message, no_launch)
+
+
+def test_a_profile_takes_the_pack_layout(no_launch, tmp_path):
+    path = tmp_path / "balanced.toml"
+    path.write_text('qkv_format = ["thd"]\npack_layout = "balanced"\nseqlens = [8, 24]\n')
+    settings, = settings_for(CaseOptions(profile=str(path)))
+    assert settings.pack_layout == "balanced"
+    case, = {c.pack_layout for c in expand(settings)}
+    assert case.value == "balanced"
+    res = runner.invoke(app, ["check", "--profile", str(path)])
+    assert res.exit_code == 0, res.output and len(no_launch) == 1
+
+
+def test_emulate_replays_the_balanced_layout_under_allgather(tmp_path):
+    res = runner.invoke(app, ["emulate", "--qkv-format", "thd", "--seqlens", "32,64,24,8", "--pack-layout",
+                              "balanced", "--cp", "2,4", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)["results"]
+    # 'all' is every schedule and strategy the layout can show: allgather, and no every-tile (one tile per row)
+    assert len(rows) == 2 * 2 * 2
+    assert {(r["kv_schedule"], r["pack_layout"]) for r in rows} == {("allgather", "balanced")}
+    assert all(r["passed"] and r["out_max_abs_err"] <= 1e-12 for r in rows)
+    base = ["emulate", "--pack-layout", "balanced", "--cp", "2"]
+    for args, message in ((["--qkv-format", "thd", "--kv-schedule", "ring"], "--pack-layout balanced (--kv-schedule ring)"),
+                          (["--qkv-format", "thd", "--comm", "a2a+p2p"], "--pack-layout balanced (--comm a2a+p2p)"),
+                          ([], "add thd to --qkv-format")):
+        out = runner.invoke(app, base + args)
+        assert out.exit_code == 2 and message in " ".join(out.output.split()), out.output
+
+
+def test_simulate_runs_the_balanced_layout_under_allgather(tmp_path):
+    out = tmp_path / "sim.csv"
+    res = runner.invoke(app, ["bench", "--qkv-format", "thd", "--seqlens", "16,40,8", "--pack-layout", "balanced",
+                              "--softmax", "learnable", "--mask", "causal", "--dtype", "fp32", "--simulate", "2,4",
+                              "--warmup", "0", "--iters", "1", "--csv", str(out)])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(out, dtype={"docs": str})
+    assert set(df["kv_schedule"]) == {"allgather"} and set(df["cp"]) == {2, 4}
+    assert set(df[df["step"] >= 0]["step"]) == {0}     # one step: every key gathered (-1: whole-phase rows)
+
+
+@pytest.mark.slow
+def test_check_passes_in_the_balanced_layout_with_its_byte_contract(cli):
+    docs = [48, 8, 30, 10, 32]
+    res = cli("check", "--qkv-format", "thd", "--seqlens", ",".join(map(str, docs)), "--pack-layout", "balanced",
+              "--ranks", "4", "--softmax", "all", "--mask", "all", "--window", "7,0", "--dtype", "fp64,bf16",
+              "--sink-strategy", "all", "--format", "json", timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    doc = json.loads(res.stdout)
+    cases = doc["cases"]
+    assert doc["passed"] and len(cases) == 2 * 2 * (1 + 2 + 2)
+    for c in cases:
+        assert c["passed"] and c["kv_schedule"] == "allgather" and c["pack_layout"] == "balanced"
+        planned = comm_bytes(s=128, b=1, h=4, g=2, d=16, dtype=torch.float64 if c["dtype"] == "fp64" else torch.bfloat16,
+                             cp=4, mask=c["mask"], window=c["window"], cu_seqlens=[0, *itertools.accumulate(docs)],
+                             pack_layout="balanced")
+        assert c["traffic"]["total"]["bytes"] == sum(t.sent for t in planned)
+    leak = cli("check", "--qkv-format", "thd", "--seqlens", ",".join(map(str, docs)), "--pack-layout", "balanced",
+               "--ranks", "4", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp64", "--inject", "doc-leak",
+               "--format", "json")
+    assert leak.returncode == 1, leak.stdout + leak.stderr
+    assert not json.loads(leak.stdout)["cases"][0]["errors"]["out"]["passed"]

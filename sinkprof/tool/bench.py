@@ -40,7 +40,7 @@ from .output import STDOUT, CsvStream, atomic_path
 PHASES = ("fwd", "bwd", "fwdbwd")
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
 COLUMNS = ["run_id", "timestamp", "rank", "iteration", "phase", "step", "kind", "start_ms", "end_ms", "dur_ms",
-           "overlap_ms", "exposed_ms", "bytes", "comm", "softmax", "sink_strategy", "mask", "window", "docs", "dtype", "b", "s",
+           "overlap_ms", "exposed_ms", "bytes", "comm", "softmax", "sink_strategy", "mask", "window", "docs", "pack_layout", "dtype", "b", "s",
            "h", "g", "d", "cp", "a2a_size", "kv_schedule", "backend", "merges", "simulated", "predicted", "link", "flops", "device_name", "torch", "cudnn", "nccl",
            "sinkprof", "git_sha"]
 
@@ -110,7 +110,8 @@ def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simul
         "comm": case.comm.value, "softmax": case.softmax.value,
         "sink_strategy": case.sink_strategy.value if case.softmax.has_sink else "",
         "mask": case.mask.value, "window": "" if case.window is None else f"{case.window[0]},{case.window[1]}",
-        "docs": seqlens_text(case.docs), "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
+        "docs": seqlens_text(case.docs), "pack_layout": case.pack_layout.value if case.docs else "",
+        "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
         "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm is CommType.A2A_P2P else "",
         "kv_schedule": kv_schedule_of(case, cp),
         "backend": backend_name, "merges": _merges(device), "simulated": simulated, "predicted": False, "link": "",

@@ -52,7 +52,8 @@ class CaseResult:
         c = self.case
         return {"comm": c.comm.value, "kv_schedule": self.kv_schedule, "traffic": self.traffic,
                 "softmax": c.softmax.value, "mask": c.mask.value,
-                "qkv_format": c.qkv_format.value, "docs": list(c.docs) or None, "dtype": c.dtype, "cp": self.cp,
+                "qkv_format": c.qkv_format.value, "docs": list(c.docs) or None,
+                "pack_layout": c.pack_layout.value if c.docs else None, "dtype": c.dtype, "cp": self.cp,
                 "sink_strategy": c.sink_strategy.value if c.softmax.has_sink else None,
                 "sink_grad": c.sink_grad.value, "window": list(c.window) if c.window else None, "bias": c.bias,
                 "shape": asdict(c.shape), "passed": self.passed,

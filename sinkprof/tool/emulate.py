@@ -10,8 +10,9 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..emulate import emulate_hierarchical, emulate_ring
-from ..options import (AttnSpec, KVSchedule, MaskType, QKVFormat, SinkStrategy, SoftmaxType, check_a2a_size, make_spec,
-                       window_pair)
+from ..options import (AttnSpec, KVSchedule, MaskType, PackLayout, QKVFormat, SinkStrategy, SoftmaxType,
+                       check_a2a_size, make_spec, window_pair)
+from ..plan import spec_layout
 from ..testing import Shape, make_inputs, reference
 from .cases import Settings, check_pack_layer, merge_layers, seqlens_text
 from .errors import EXIT_FAILED, EXIT_OK
@@ -27,6 +28,7 @@ class EmulateRow:
     comm: str
     qkv_format: str
     docs: str         # thd: the documents' lengths ("24,48,24"); empty otherwise
+    pack_layout: str  # thd: which rows of the pack each rank holds (zigzag, balanced); empty otherwise
     kv_schedule: str  # the K/V schedule replayed (auto resolved)
     cp: int
     mask: str
@@ -46,21 +48,22 @@ EMULATE_TOLERANCE = 1e-12
 
 
 def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_size: Optional[int] = None,
-            schedules=(KVSchedule.AUTO,), formats=(QKVFormat.BSHD,), docs: tuple = ()) -> list[EmulateRow]:
+            schedules=(KVSchedule.AUTO,), formats=(QKVFormat.BSHD,), docs: tuple = (),
+            pack_layout=PackLayout.ZIGZAG) -> list[EmulateRow]:
     """Every (layout, mask, cp, strategy, K/V schedule) against the fp64 reference, with a
     learnable sink of ``randn * 5``. A thd layout packs the documents ``docs`` (their sum is
-    ``shape.s``) with ``b = 1``.
+    ``shape.s``) with ``b = 1``, laid out over the ranks as ``pack_layout`` says.
 
     With ``a2a_size`` the schedule is a2a+p2p: cp ranks in inner groups of ``a2a_size``."""
     rows = []
     for fmt, mask in itertools.product(formats, masks):
         fmt = QKVFormat.parse(fmt, "--qkv-format")
         thd = fmt is QKVFormat.THD
-        spec = replay_spec(fmt, mask, window, docs)
+        spec = replay_spec(fmt, mask, window, docs, pack_layout)
         fmt_shape = dataclasses.replace(shape, b=1) if thd else shape
         for cp in cps:
             fmt_shape.validate(cp)
-            spec.chunks(fmt_shape.s, cp)
+            spec_layout(spec, fmt_shape.s, cp)
             inputs = make_inputs(fmt_shape, spec, seed)
             ref = reference(inputs, spec)
             for strategy, kv in itertools.product(strategies, schedules):
@@ -74,21 +77,22 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
                 ratio = (got.d_offset / ref.d_offset).flatten()
                 passed = max(err.values()) <= EMULATE_TOLERANCE
                 rows.append(EmulateRow("p2p" if a2a_size is None else f"a2a+p2p({a2a_size})", fmt.value,
-                                       seqlens_text(docs) if thd else "",
+                                       seqlens_text(docs) if thd else "", spec.pack_layout.value if thd else "",
                                        run.kv_schedule.value, cp, MaskType.parse(mask, "mask").value, strategy.value,
                                        err["out"], err["dq"], err["dk"], err["dv"], err["d_sink"], ratio.min().item(),
                                        ratio.max().item(), passed, passed != (strategy is SinkStrategy.EVERY_TILE)))
     return rows
 
 
-def replay_spec(fmt: QKVFormat, mask, window, docs: tuple) -> AttnSpec:
-    """The spec a replay runs: a learnable sink, the pack's documents under thd."""
-    cu = [0, *itertools.accumulate(docs)] if fmt is QKVFormat.THD else None
-    return make_spec(SoftmaxType.LEARNABLE, mask, window, fmt, cu)
+def replay_spec(fmt: QKVFormat, mask, window, docs: tuple, pack_layout=PackLayout.ZIGZAG) -> AttnSpec:
+    """The spec a replay runs: a learnable sink, the pack's documents in ``pack_layout`` under thd."""
+    thd = fmt is QKVFormat.THD
+    cu = [0, *itertools.accumulate(docs)] if thd else None
+    return make_spec(SoftmaxType.LEARNABLE, mask, window, fmt, cu, pack_layout if thd else PackLayout.ZIGZAG)
 
 
 def check_every_tile(strategies, cps, a2a_size: Optional[int], masks, window, formats, s: int, docs: tuple,
-                     schedules=(KVSchedule.AUTO,)) -> None:
+                     schedules=(KVSchedule.AUTO,), pack_layout=PackLayout.ZIGZAG) -> None:
     """``--strategy every-tile`` replays the bug the run must detect, so each of its rows must be
     able to fail: refuse a cp, mask or layout whose ring tiles see each row once (a ring of one
     rank, or a diagonal window), where the sink counted once per tile is still counted once
@@ -104,7 +108,8 @@ def check_every_tile(strategies, cps, a2a_size: Optional[int], masks, window, fo
     members = a2a_size or 1
     for fmt, mask, cp in itertools.product(formats, masks, cps):
         ring = cp // members
-        if sink_counted_again(replay_spec(QKVFormat.parse(fmt, "--qkv-format"), mask, window, docs), s, ring):
+        if sink_counted_again(replay_spec(QKVFormat.parse(fmt, "--qkv-format"), mask, window, docs, pack_layout), s,
+                              ring):
             continue
         skip = "or leave every-tile out (--strategy step0,post-merge)"
         if ring == 1:
@@ -118,8 +123,22 @@ def check_every_tile(strategies, cps, a2a_size: Optional[int], masks, window, fo
                          f"a result and the replay cannot detect it; {fix}")
 
 
+def check_pack_layout(pack_layout: PackLayout, formats, comm: str, schedules) -> None:
+    """``--pack-layout balanced`` lays out thd packs and runs on p2p under allgather (or auto)."""
+    if pack_layout is PackLayout.ZIGZAG:
+        return
+    if QKVFormat.THD not in formats:
+        raise ValueError("--pack-layout balanced lays out the documents of a thd pack; add thd to --qkv-format "
+                         "(e.g. --qkv-format thd) or drop --pack-layout")
+    rings = [k.value for k in schedules if k not in (KVSchedule.AUTO, KVSchedule.ALLGATHER)]
+    if comm != "p2p" or rings:
+        given = f"--comm {comm}" if comm != "p2p" else f"--kv-schedule {','.join(rings)}"
+        raise ValueError(f"--pack-layout balanced ({given}): its pieces of a document sit on a few ranks, so it "
+                         f"replays on --comm p2p with --kv-schedule allgather (or auto, which takes it)")
+
+
 def pack(formats, cps, *, seq_len: Optional[int], seqlens: Optional[tuple], docs: Optional[int], batch: Optional[int],
-         seed: int) -> tuple[int, int, tuple]:
+         seed: int, pack_layout=PackLayout.ZIGZAG) -> tuple[int, int, tuple]:
     """(sequence length, batch, the thd pack's documents) from the options, as ``check`` reads
     them: ``--seqlens`` sets the length, ``--docs`` draws lengths from the seed (multiples of
     2 * cp for every cp), a thd pack is ``b = 1``; errors name the options."""
@@ -140,19 +159,21 @@ def pack(formats, cps, *, seq_len: Optional[int], seqlens: Optional[tuple], docs
     lengths = settings.documents(tuple(cps))
     for cp in cps:
         try:
-            Settings.pack_spec(lengths).chunks(s, cp)
+            spec_layout(Settings.pack_spec(lengths, pack_layout), s, cp)
         except ValueError as exc:
             raise ValueError(f"--seqlens {seqlens_text(lengths)} at --cp {cp}: {exc}") from None
     return s, batch or DEFAULT_BATCH, lengths
 
 
 def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: int, window: Optional[str],
-        output: Output, schedules=(KVSchedule.AUTO,), formats=(QKVFormat.BSHD,), docs: tuple = ()) -> int:
+        output: Output, schedules=(KVSchedule.AUTO,), formats=(QKVFormat.BSHD,), docs: tuple = (),
+        pack_layout=PackLayout.ZIGZAG) -> int:
     """The command: replay, compare, write the rows; 0 when every row is as expected. ``window``
-    is the ``LEFT,RIGHT`` text of ``--window``; ``docs`` the thd pack (``pack``)."""
+    is the ``LEFT,RIGHT`` text of ``--window``; ``docs`` the thd pack (``pack``) in ``pack_layout``."""
     pair = None if window is None else window_pair(window, "--window")
     if comm not in ("p2p", "a2a+p2p"):
         raise ValueError(f"--comm {comm!r}: emulate replays p2p or a2a+p2p")
+    check_pack_layout(pack_layout, formats, comm, schedules)
     members = a2a_size if comm == "a2a+p2p" else None
     for n in cps:
         shape.validate(n)
@@ -162,11 +183,12 @@ def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: in
             except ValueError:
                 raise ValueError(f"--a2a-size {members} must divide every --cp, and --cp {n} is not a multiple of it; "
                                  f"give --cp multiples of {members} or a smaller --a2a-size") from None
-    check_every_tile(strategies, cps, members, masks, pair, formats, shape.s, docs, schedules)
-    rows = emulate(cps, masks, strategies, shape, seed, pair, members, schedules, formats, docs)
+    check_every_tile(strategies, cps, members, masks, pair, formats, shape.s, docs, schedules, pack_layout)
+    rows = emulate(cps, masks, strategies, shape, seed, pair, members, schedules, formats, docs, pack_layout)
     ok = all(r.ok for r in rows)
     sizes = [f"b={shape.b} s={shape.s}"] if set(formats) != {QKVFormat.THD} else []
-    sizes += [f"thd t={shape.s} docs={seqlens_text(docs)}"] if docs else []
+    sizes += [f"thd t={shape.s} docs={seqlens_text(docs)}"
+              + (f" layout={pack_layout.value}" if pack_layout is not PackLayout.ZIGZAG else "")] if docs else []
 
     def table(console):
         from rich.table import Table

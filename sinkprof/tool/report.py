@@ -23,7 +23,7 @@ import pandas as pd
 from .output import STDOUT, Output, atomic_path, write_text
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h", "g", "d", "cp",
-             "kv_schedule", "backend", "simulated", "docs"]
+             "kv_schedule", "backend", "simulated", "docs", "pack_layout"]
 COMM_KINDS = ("kv", "dkv", "a2a")
 STEP_KINDS = ("compute",) + COMM_KINDS    # the rows of one ring step (an iteration row has step -1)
 
@@ -34,13 +34,13 @@ OPTIONAL_COLUMNS = {
     "timestamp": "", "start_ms": float("nan"), "end_ms": float("nan"), "overlap_ms": float("nan"),
     "exposed_ms": float("nan"), "comm": "", "softmax": "", "sink_strategy": "", "mask": "", "window": "",
     "dtype": "", "b": "", "s": "", "h": "", "g": "", "d": "", "cp": None,  # None: the number of ranks of the run
-    "docs": "", "a2a_size": "", "kv_schedule": "", "backend": "", "merges": "", "simulated": False, "predicted": False,
+    "docs": "", "pack_layout": "", "a2a_size": "", "kv_schedule": "", "backend": "", "merges": "", "simulated": False, "predicted": False,
     "flops": float("nan"), "bytes": float("nan"), "device_name": "", "torch": "", "cudnn": "", "nccl": "",
     "sinkprof": "", "git_sha": "",
 }
 # Read as text, whatever they look like (a git sha "0123abc" keeps its leading zero).
 TEXT_COLUMNS = ("run_id", "timestamp", "phase", "kind", "comm", "softmax", "sink_strategy", "mask", "window",
-                "docs", "dtype", "backend", "merges", "a2a_size", "device_name", "torch", "cudnn", "nccl", "sinkprof",
+                "docs", "pack_layout", "dtype", "backend", "merges", "a2a_size", "device_name", "torch", "cudnn", "nccl", "sinkprof",
                 "git_sha")
 INT_COLUMNS = ("rank", "iteration", "step")
 FLOAT_COLUMNS = ("dur_ms", "start_ms", "end_ms", "overlap_ms", "exposed_ms", "flops", "bytes")
@@ -379,6 +379,8 @@ def label(row) -> str:
         parts.append(f"window={row['window']}")
     if str(row.get("docs", "")):
         parts.append(f"docs={docs_text(row['docs'])}")
+    if str(row.get("pack_layout", "")) not in ("", "zigzag"):
+        parts.append(f"layout={row['pack_layout']}")
     if row["simulated"]:
         parts.append("simulated")
     # a CSV of an older version leaves some of these blank: they are left out, not "b= ()"
@@ -420,6 +422,7 @@ def slugs(cases: pd.DataFrame) -> dict:
         parts = [r["comm"], r["softmax"], r["sink_strategy"], r["mask"]]
         parts += [_window_part(r["window"])] if str(r["window"]) else []
         parts += [f"thd{len(str(r['docs']).split(','))}docs"] if str(r.get("docs", "")) else []
+        parts += [str(r["pack_layout"])] if str(r.get("pack_layout", "")) not in ("", "zigzag") else []
         parts += [r["dtype"], f"cp{r['cp']}"]
         parts += ["sim"] if r["simulated"] else []
         parts += ["pred"] if r.get("predicted", False) else []
