@@ -1,7 +1,9 @@
 """The load-balanced ring plan, as pure data (docs/design.md, section 3).
 
 The sequence is cut into ``2 * cp`` chunks of ``c`` rows; rank r holds chunks r and 2cp-1-r
-(its *local shard*, 2c rows, chunk r first). At ring step i rank r computes against the K/V shard
+(its *local shard*, 2c rows, chunk r first). Which rows each rank holds is a ``Layout``: this
+zigzag one, or for a thd pack the balanced one (``balanced_layout``: each document in a few long
+pieces, planned under ``allgather`` only). At ring step i rank r computes against the K/V shard
 of rank ``(r - i) mod cp``. Each step is a list of tiles: a slice of the local query rows, a slice
 of the K/V rows held, and a ``Band`` in the tile's own coordinates. Tiles a mask or window cannot
 see are left out; a step's chunk pairs are coalesced into one tile whenever one band describes
