@@ -456,7 +456,7 @@ class Pack:
     do: torch.Tensor            # [t, h, d]
     sink: torch.Tensor          # [1, h, 1, 1] fp32
     schedule: CommSchedule      # the layout's K/V schedule (``pack_bench`` may run others on a zigzag layout)
-    ks: list                    # every rank's K shard, [1, g, 2 sum(chunks), d] (bhsd views of bshd storage)
+    ks: list                    # every rank's K shard, [1, g, t / cp, d] (bhsd views of bshd storage)
     vs: list
 
     @property
@@ -478,10 +478,7 @@ class Pack:
     def laid_out(self, pack_layout) -> "Pack":
         """The same pack in ``pack_layout`` (``PackLayout``): its schedule (ring for zigzag,
         allgather for balanced) and every rank's K/V shard."""
-        spec = make_spec("vanilla", PACK_MASK, None, "thd", self.cu_seqlens.tolist(), pack_layout)
-        kind = KVSchedule.RING if spec.pack_layout is PackLayout.ZIGZAG else KVSchedule.ALLGATHER
-        p = dataclasses.replace(self, schedule=CommSchedule(kind, self.cp, spec_layout(spec, sum(self.docs), self.cp),
-                                                            spec.band))
+        p = dataclasses.replace(self, schedule=_pack_schedule(self.cu_seqlens.tolist(), self.cp, pack_layout))
         p.ks = [p.rank_shard(self.k, r) for r in range(self.cp)]
         p.vs = [p.rank_shard(self.v, r) for r in range(self.cp)]
         return p
@@ -491,12 +488,18 @@ class Pack:
         return self.rank_shard(self.q, rank), self.rank_shard(self.do, rank)
 
 
+def _pack_schedule(cu_seqlens: list, cp: int, pack_layout) -> CommSchedule:
+    """A causal pack's schedule in ``pack_layout``: ring for zigzag, allgather for balanced."""
+    spec = make_spec("vanilla", PACK_MASK, None, "thd", cu_seqlens, pack_layout)
+    kind = KVSchedule.RING if spec.pack_layout is PackLayout.ZIGZAG else KVSchedule.ALLGATHER
+    return CommSchedule(kind, cp, spec_layout(spec, cu_seqlens[-1], cp), spec.band)
+
+
 def pack_setup(cp: int, h: int, g: int, d: int, docs: list, device, dtype=torch.bfloat16, seed: int = 1,
                pack_layout=PackLayout.ZIGZAG) -> Pack:
     """Seeded inputs of a pack of ``docs`` on ``device``, its schedule in ``pack_layout`` and every rank's
     K/V shard."""
     cu = [0, *itertools.accumulate(docs)]
-    spec = make_spec("vanilla", PACK_MASK, None, "thd", cu)
     t = cu[-1]
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -505,8 +508,8 @@ def pack_setup(cp: int, h: int, g: int, d: int, docs: list, device, dtype=torch.
     q, do = rand(t, h, d), rand(t, h, d)
     k, v = rand(t, g, d), rand(t, g, d)
     sink = torch.randn(1, h, 1, 1, generator=gen, device=device) * 5
-    schedule = CommSchedule(KVSchedule.RING, cp, spec.chunks(t, cp), spec.band)
-    p = Pack(list(docs), torch.tensor(cu, dtype=torch.int32, device=device), q, k, v, do, sink, schedule, [], [])
+    p = Pack(list(docs), torch.tensor(cu, dtype=torch.int32, device=device), q, k, v, do, sink,
+             _pack_schedule(cu, cp, pack_layout), [], [])
     return p.laid_out(pack_layout)
 
 

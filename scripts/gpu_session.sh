@@ -6,7 +6,7 @@
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
-# session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b
+# session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -215,4 +215,12 @@ if [[ $what == *" layout7b "* ]]; then   # <= 520 s: a group's backward over the
   run pack_layout_b 200 python3 scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 \
       --ring-backends fa4,fa4+comm --kv-schedules allgather --pack-layouts zigzag,balanced --profile-step --out "$OUT/pack_layout_b.json"
   run gpu_tests_groups 320 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "pack or allgather or cuda_graph"
+fi
+if [[ $what == *" layout7c "* ]]; then   # <= 420 s: after review, the pack tests, the 4-rank check and the bench again
+  run gpu_tests_packs_c 200 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "pack_under_allgather or balanced"
+  run check_thd_balanced_c 130 $SP check --device cuda --backend fa4 --ranks 4 --qkv-format thd \
+      --seqlens 2048,512,1536,1022,6,3068 --pack-layout balanced --softmax all --mask all --dtype bf16 \
+      --sink-strategy all --heads 8 --kv-heads 2 --head-dim 64 --format json --output "$OUT/check_thd_balanced_c.json"
+  run pack_layout_c 100 python3 scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 \
+      --ring-backends fa4 --kv-schedules allgather --pack-layouts balanced --out "$OUT/pack_layout_c.json"
 fi

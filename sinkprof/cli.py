@@ -266,7 +266,7 @@ def emulate(
     from .options import QKVFormat
     from .testing import Shape
     from .tool.cases import parse_seqlens
-    from .tool.emulate import pack, run
+    from .tool.emulate import only_allgather, pack, run
 
     cps = split_list(cp, "--cp", positive_int)
     formats = split_list(qkv_format, "--qkv-format", QKVFormat.parse, allowed=[f.value for f in QKVFormat])
@@ -280,7 +280,7 @@ def emulate(
     if kv_schedule.strip() == "all":   # every schedule the layout runs under
         schedules = [k for k in KVSchedule if k is not KVSchedule.AUTO
                      and (layout is PackLayout.ZIGZAG or k is KVSchedule.ALLGATHER)]
-    if strategy.strip() == "all" and set(schedules) == {KVSchedule.ALLGATHER}:   # each row's keys are one tile
+    if strategy.strip() == "all" and only_allgather(schedules, layout):   # each row's keys are one tile
         strategies = [s for s in strategies if s is not SinkStrategy.EVERY_TILE]
     check_writable(output, "--output")
     raise typer.Exit(run(cps, comm, a2a_size, masks, strategies, Shape(batch, seq_len, heads, kv_heads, head_dim),

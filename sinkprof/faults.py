@@ -94,8 +94,9 @@ class Injected(NoFault):
         return self.fault is not Fault.NO_SINK_REDUCE
 
     def ring_plan(self, plan: RankPlan) -> RankPlan:
-        # The packing bug: step 0's tile of the second document also reads the first document's
-        # keys (its K/V rows start where the first document's do, the band shifted to match).
+        # The packing bug: step 0's tile of the rank's second document also reads the keys before
+        # it (its K/V rows start at the buffer's first row, the band shifted to match): the first
+        # document's under zigzag, every earlier document of the pack under allgather.
         if self.fault is not Fault.DOC_LEAK:
             return plan
         pieces = list(plan.layout.local_pieces(plan.rank))

@@ -46,7 +46,7 @@ PARTS = 8   # later tiles' results waiting for their merge at most: the forward'
 
 @dataclass(frozen=True)
 class Tile:
-    q_rows: slice     # rows of the local shard (0 .. 2c)
+    q_rows: slice     # rows of the local shard
     kv_rows: slice    # rows of the K/V buffer held at this step (``Step.held``), the keys its band can see
     band: Band        # visibility in the tile's own coordinates
     sink: bool        # the first tile of its rows: carries their sink (step 0, each local row exactly once)
@@ -371,6 +371,10 @@ def unshard(shards, seq_dim: int, cu_seqlens=None, pack_layout="zigzag") -> torc
             halves[first], halves[second] = part.chunk(2, dim=seq_dim)
         return torch.cat(halves, dim=seq_dim)
     layout = _pack_layout(cu_seqlens, sum(p.shape[seq_dim] for p in shards), cp, pack_layout)
+    for rank, part in enumerate(shards):
+        if part.shape[seq_dim] != layout.shard_rows:
+            raise ValueError(f"shard of rank {rank} has {part.shape[seq_dim]} rows along dim {seq_dim}; every rank "
+                             f"holds {layout.shard_rows} rows of this pack")
     joined = torch.cat(shards, dim=seq_dim)
     where = torch.cat([layout.rows(r, joined.device) for r in range(cp)])
     return joined.index_select(seq_dim, torch.argsort(where))

@@ -674,7 +674,7 @@ def kv_movers(schedule: CommSchedule, comm, kv: torch.Tensor, fmt, phase: str, a
 
 def schedule_for(opts: CPOptions, comm, k: torch.Tensor) -> CommSchedule:
     """The communication schedule of this call: ``opts.kv_schedule`` for a ring of ``comm.size``
-    over this rank's shard ``k`` (a thd pack's documents each have their own chunks)."""
+    over this rank's shard ``k``, in the layout ``opts.spec`` names (``plan.spec_layout``)."""
     fmt = opts.spec.qkv_format
     kv_row, dkv_row = row_bytes(k.shape[1 - fmt.seq_dim], k.shape[2], k.shape[3], k.dtype)
     layout = spec_layout(opts.spec, k.shape[fmt.seq_dim] * comm.size, comm.size)

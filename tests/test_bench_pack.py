@@ -107,6 +107,15 @@ def test_the_pack_ring_each_rank_runs_is_the_packs_attention(bk, cp, kind, layou
             assert (dv[rank].double() - p.rank_shard(ref.dv, rank)).abs().max() < 1e-4
 
 
+def test_a_pack_the_balanced_layout_takes_is_set_up_in_it(bk):
+    """Documents of even lengths, not multiples of 2 cp: the balanced layout takes them, the zigzag one does not."""
+    from sinkprof.options import PackLayout
+    p = bk.pack_setup(2, 2, 1, 8, [2, 4, 6, 12], "cpu", pack_layout=PackLayout.BALANCED)
+    assert p.schedule.kind.value == "allgather" and [x.shape[2] for x in p.ks] == [12, 12]
+    with pytest.raises(ValueError, match="pad_pack"):
+        p.laid_out(PackLayout.ZIGZAG)
+
+
 def test_the_slowest_rank_rows_and_their_rates_on_the_cpu(bk, monkeypatch):
     """The bookkeeping the GPU run does, with wall-clock timings standing in for CUDA graph replays."""
     def cpu_ms(fns, calls=2, rounds=15, graphed=True):

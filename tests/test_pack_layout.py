@@ -97,6 +97,13 @@ def test_shard_unshard_round_trip(cp):
         assert torch.equal(part, layout.rows(r))
 
 
+def test_unshard_refuses_shards_of_the_wrong_size():
+    docs = [8, 24]
+    shards = [sinkprof.shard(torch.arange(32), 2, r, 0, cu(docs), pack_layout="balanced") for r in range(2)]
+    with pytest.raises(ValueError, match=re.escape("shard of rank 0 has 14 rows along dim 0; every rank holds 16")):
+        sinkprof.unshard([shards[0][:14], torch.cat([shards[1], shards[0][14:]])], 0, cu(docs), pack_layout="balanced")
+
+
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 @pytest.mark.parametrize("band", [Band(None, 0), Band(), Band(-3, 0), Band(-9, 0), Band(-2, 3)], ids=str)
 def test_every_visible_pair_is_computed_exactly_once(cp, band):

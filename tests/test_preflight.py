@@ -150,6 +150,24 @@ def test_allgather_is_counted_with_the_whole_sequences_kv_and_its_wider_tiles():
         expand(Settings(seq_len=4096, kv_schedule=("ring",), ranks=1))[0], 1, False)   # a ring of one gathers nothing
 
 
+def test_the_balanced_layouts_tile_scores_count_a_ranks_pieces_of_a_document_together():
+    """Without a mask a rank's head and tail of a document are one tile of both pieces' rows against
+    the whole document: the torch tiles' scores of the largest such tile."""
+    docs = (14, 6, 12)
+    settings = Settings(qkv_format=("thd",), seqlens=docs, seq_len=32, pack_layout="balanced", mask=("no_mask",),
+                        softmax=("vanilla",), dtype=("fp64",), ranks=8)
+    case = expand(settings)[0]
+    with_scores = preflight.case_need(case, 8, False, tile_scores=True)[1]
+    without = preflight.case_need(case, 8, False, tile_scores=False)[1]
+    from sinkprof.plan import balanced_layout, gather_plan
+    from sinkprof.options import Band
+    layout = balanced_layout(8, docs)
+    largest = max((t.q_rows.stop - t.q_rows.start) * (t.kv_rows.stop - t.kv_rows.start)
+                  for r in range(8) for t in gather_plan(8, r, layout, Band()).steps[0].tiles)
+    sh = case.shape
+    assert with_scores - without == 3 * sh.b * sh.h * largest * 8
+
+
 def test_memory_estimate_is_linear_without_a_bias_and_refuses_what_does_not_fit():
     base = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp64",), seq_len=4096, ranks=2)
     big = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp64",), seq_len=8192, ranks=2)

@@ -433,6 +433,8 @@ def test_the_readme_cp_pack_script_runs_under_torchrun(tmp_path):
     (["check", "--qkv-format", "thd", "--pack-layout", "balanced", "--seqlens", "30,33,1"],
      "document 1 has 33 tokens"),
     (["check", "--qkv-format", "thd", "--pack-layout", "diagonal"], "--pack-layout='diagonal' is not supported"),
+    (["check", "--ranks", "2", "--qkv-format", "thd", "--seqlens", "2,2", "--pack-layout", "balanced", "--inject",
+      "doc-leak"], "some rank holds two documents or more"),
     (["bench", "--qkv-format", "thd", "--pack-layout", "balanced", "--kv-schedule", "direct"],
      "--pack-layout balanced (--kv-schedule direct)"),
 ])
@@ -460,6 +462,10 @@ def test_emulate_replays_the_balanced_layout_under_allgather(tmp_path):
     assert len(rows) == 2 * 2 * 2
     assert {(r["kv_schedule"], r["pack_layout"]) for r in rows} == {("allgather", "balanced")}
     assert all(r["passed"] and r["out_max_abs_err"] <= 1e-12 for r in rows)
+    auto = runner.invoke(app, ["emulate", "--qkv-format", "thd", "--seqlens", "2,4,6,12", "--pack-layout", "balanced",
+                               "--cp", "2", "--kv-schedule", "auto", "--format", "json"])
+    assert auto.exit_code == 0, auto.output     # auto is allgather there: 'all' strategies leave every-tile out
+    assert {r["kv_schedule"] for r in json.loads(auto.output)["results"]} == {"allgather"}
     base = ["emulate", "--pack-layout", "balanced", "--cp", "2"]
     for args, message in ((["--qkv-format", "thd", "--kv-schedule", "ring"], "--pack-layout balanced (--kv-schedule ring)"),
                           (["--qkv-format", "thd", "--comm", "a2a+p2p"], "--pack-layout balanced (--comm a2a+p2p)"),

@@ -97,19 +97,21 @@ def check_every_tile(strategies, cps, a2a_size: Optional[int], masks, window, fo
     able to fail: refuse a cp, mask or layout whose ring tiles see each row once (a ring of one
     rank, or a diagonal window), where the sink counted once per tile is still counted once
     (``preflight.sink_counted_again``, which also says where ``check --inject sink-every-tile`` applies).
-    Under ``allgather`` every row's keys are one tile: its every-tile rows are left out, and a run
-    of allgather alone is refused."""
+    Under ``allgather`` (which ``auto`` is in the balanced pack layout) every row's keys are one
+    tile: its every-tile rows are left out, and a run of allgather alone is refused."""
     if SinkStrategy.EVERY_TILE not in strategies:
         return
-    if all(KVSchedule.parse(k, "--kv-schedule") is KVSchedule.ALLGATHER for k in schedules):
-        raise ValueError("--strategy every-tile: --kv-schedule allgather gives each row's keys one tile, so the bug "
-                         "(the sink counted once per tile) cannot change a result; add ring or direct to "
-                         "--kv-schedule, or leave every-tile out (--strategy step0,post-merge)")
+    if only_allgather(schedules, pack_layout):
+        fix = ("add ring or direct to --kv-schedule" if pack_layout is PackLayout.ZIGZAG else
+               "the balanced pack layout runs under allgather alone")
+        raise ValueError(f"--strategy every-tile: --kv-schedule allgather gives each row's keys one tile, so the bug "
+                         f"(the sink counted once per tile) cannot change a result; {fix}; leave every-tile out "
+                         f"(--strategy step0,post-merge)")
     members = a2a_size or 1
     for fmt, mask, cp in itertools.product(formats, masks, cps):
         ring = cp // members
-        if sink_counted_again(replay_spec(QKVFormat.parse(fmt, "--qkv-format"), mask, window, docs, pack_layout), s,
-                              ring):
+        spec = replay_spec(QKVFormat.parse(fmt, "--qkv-format"), mask, window, docs, pack_layout)
+        if any(sink_counted_again(spec, s, ring, k) for k in schedules):
             continue
         skip = "or leave every-tile out (--strategy step0,post-merge)"
         if ring == 1:
@@ -121,6 +123,12 @@ def check_every_tile(strategies, cps, a2a_size: Optional[int], masks, window, fo
             fix = f"widen --window, {skip}"
         raise ValueError(f"--strategy every-tile: {where}, so the bug (the sink counted once per tile) cannot change "
                          f"a result and the replay cannot detect it; {fix}")
+
+
+def only_allgather(schedules, pack_layout: PackLayout) -> bool:
+    """Every schedule replayed is allgather (``auto`` is, in the balanced pack layout)."""
+    gathered = {KVSchedule.ALLGATHER} | ({KVSchedule.AUTO} if pack_layout is PackLayout.BALANCED else set())
+    return all(KVSchedule.parse(k, "--kv-schedule") in gathered for k in schedules)
 
 
 def check_pack_layout(pack_layout: PackLayout, formats, comm: str, schedules) -> None:

@@ -9,6 +9,7 @@ fits in memory. Every error is a ``ValueError`` that names the option and the fi
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 from typing import Optional
@@ -132,8 +133,9 @@ WHAT_IT_NEEDS = {
     Fault.SKIP_SINK_SLICE: "--softmax learnable with --comm a2a or a2a+p2p",
     Fault.DROP_HALO: ("a direct K/V schedule in which ring rank 0 sends ring rank 1 K/V rows (--comm p2p or "
                       "a2a+p2p with --kv-schedule direct, at least two ring ranks, a window with left >= 1 or none)"),
-    Fault.DOC_LEAK: ("a thd pack of two documents or more (--qkv-format thd with --seqlens or --docs >= 2) whose "
-                     "second document's rows can see a key before their own (a window with left >= 1, or none)"),
+    Fault.DOC_LEAK: ("a thd pack of which some rank holds two documents or more (--qkv-format thd with --seqlens "
+                     "or --docs >= 2) whose second document's rows can see a key before their own (a window with "
+                     "left >= 1, or none)"),
     Fault.STALL: f"a ring of two ranks or more ({RING_OF_TWO}): ring rank 1 stalls",
     Fault.CRASH: f"a ring of two ranks or more ({RING_OF_TWO}): ring rank 1 crashes",
 }
@@ -210,10 +212,13 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
         # under allgather a chunk's rows against its whole document (a piece's, in the balanced layout)
         chunk = max(1, max(case.docs, default=sh.s) // (2 * ring))   # of the longest document
         rows, keys = 2 * chunk, (2 * ring * chunk if gather else 2 * chunk)
-        if case.pack_layout is PackLayout.BALANCED:
+        if case.pack_layout is PackLayout.BALANCED:   # a rank's pieces of a document (one tile under no_mask)
             layout = spec_layout(case.spec(), sh.s, ring)
-            rows, keys = max(((p.stop - p.start, layout.docs[p.doc]) for r in layout.ranks for p in r),
-                             key=lambda rk: rk[0] * rk[1])
+            held = collections.Counter()
+            for r, pieces in enumerate(layout.ranks):
+                for p in pieces:
+                    held[(r, p.doc)] += p.stop - p.start
+            rows, keys = max(((n, layout.docs[doc]) for (_, doc), n in held.items()), key=lambda rk: rk[0] * rk[1])
         device += 3 * sh.b * max(1, sh.h // members) * rows * keys * acc   # its scores, probabilities, gradient
     return host, device
 
