@@ -343,7 +343,7 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
     rows = []
     for name in names:
         kernel = get_kernel(name.removesuffix("-per-tile").removesuffix("+comm"), ks[0].device)
-        slowest = {}
+        slowest, every = {}, collections.defaultdict(dict)   # variant -> rank -> [fwd ms, bwd ms]
         for rank in ranks:
             plan = schedule.plans[rank]
             qh, dol = shards(rank)
@@ -371,10 +371,11 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
                            rank=rank, flops=flops,
                            fwd_ms=timed[variant + " fwd"]["ms"], bwd_ms=timed[variant + " bwd"]["ms"],
                            host_us_per_step_eager=host[variant], timing=timing)
+                every[variant][rank] = [row["fwd_ms"], row["bwd_ms"]]
                 best = slowest.get(variant)
                 if best is None or row["fwd_ms"] + row["bwd_ms"] > best["fwd_ms"] + best["bwd_ms"]:
                     slowest[variant] = row
-        rows += slowest.values()
+        rows += [dict(row, ranks_ms=dict(every[variant])) for variant, row in slowest.items()]
     return rows
 
 
@@ -588,6 +589,7 @@ def _print_rows(rows: list, against: str) -> None:
         print(f"{row['backend']:12s} {row['kv_schedule']:9s} {row['layout']:8s} {row['variant']:21s} rank {row['rank']}: "
               f"fwd {row['fwd_tflops']:6.1f} "
               f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step")
+        print("    fwd / bwd ms per rank: " + ", ".join(f"{r}: {f:.3f} / {b:.3f}" for r, (f, b) in row["ranks_ms"].items()))
 
 
 def pack_cases(args) -> list:

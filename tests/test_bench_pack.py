@@ -132,6 +132,9 @@ def test_the_slowest_rank_rows_and_their_rates_on_the_cpu(bk, monkeypatch):
     rows = bk.slowest_rank(["torch"], p.schedule, [0, 2, 3], p.shards, p.ks, p.vs, p.sink, "causal", 8)
     assert [r["variant"] for r in rows] == ["vanilla step0", "learnable step0", "learnable post-merge"]
     assert all(r["rank"] in (0, 2, 3) and r["flops"] == p.flops // 4 and r["timing"] == "graphs" for r in rows)
+    for r in rows:   # every rank timed is listed, the slowest is the one reported
+        assert set(r["ranks_ms"]) == {0, 2, 3}
+        assert r["fwd_ms"] + r["bwd_ms"] == max(f + b for f, b in r["ranks_ms"].values())
     mono = {f"fa4 varlen {tag} {phase}": {"ms": 1.0} for tag in ("vanilla", "learnable") for phase in ("fwd", "bwd")}
     bk.with_rates(rows, p.flops, mono, mono="fa4 varlen")
     for r in rows:
