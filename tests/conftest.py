@@ -16,6 +16,35 @@ def run_cli(*args, timeout=240, env=None):
                           timeout=timeout, env=full_env)
 
 
+def assert_pack_plan_exact(cp: int, layout, band, kind) -> None:
+    """Every rank's plan of a pack (``layout``: a ``plan.Layout``) under ``kind`` computes every pair
+    of rows of one document that ``band`` lets see each other exactly once, no pair across
+    documents, and every row's sink in exactly one tile."""
+    from sinkprof.plan import ring_plan
+    t = sum(layout.docs)
+    doc = torch.repeat_interleave(torch.arange(len(layout.docs)), torch.tensor(layout.docs))
+    truth = band.mask(t, t)
+    truth = torch.ones(t, t, dtype=torch.bool) if truth is None else truth
+    truth &= doc[:, None] == doc[None, :]
+    for rank in range(cp):
+        q_pos = layout.rows(rank)
+        covered = torch.zeros(len(q_pos), t, dtype=torch.int64)
+        sink_rows = torch.zeros(len(q_pos), dtype=torch.int64)
+        for step in ring_plan(cp, rank, layout, band, kind).steps:
+            for tile in step.tiles:
+                nq, nk = tile.q_rows.stop - tile.q_rows.start, tile.kv_rows.stop - tile.kv_rows.start
+                vis = tile.band.mask(nq, nk)
+                vis = torch.ones(nq, nk, dtype=torch.bool) if vis is None else vis
+                rows = torch.arange(tile.q_rows.start, tile.q_rows.stop)
+                cols = (torch.arange(tile.kv_rows.start, tile.kv_rows.stop) if step.gathered   # the sequence
+                        else layout.rows(step.kv_rank)[step.source_rows(tile.kv_rows)])
+                assert doc[q_pos[rows]].unique().numel() == 1 and doc[cols].unique().numel() == 1
+                covered[rows[:, None], cols[None, :]] += vis.long()
+                sink_rows[rows] += int(tile.sink)
+        assert torch.equal(covered, truth[q_pos].long()), f"rank {rank}"
+        assert torch.equal(sink_rows, torch.ones_like(sink_rows))
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -15,6 +15,8 @@ from sinkprof.plan import balanced_layout, ring_plan, spec_layout, zigzag_layout
 from sinkprof.schedule import comm_bytes, resolved_kv_schedule
 from sinkprof.testing import Shape, make_inputs, reference
 
+from conftest import assert_pack_plan_exact
+
 SOFTMAX = ["vanilla", "off-by-one", "learnable"]
 MASKS = [("causal", None), ("no_mask", None), ("causal", (3, 0)), ("causal", (20, 0)), ("no_mask", (2, 3))]
 
@@ -34,7 +36,9 @@ def random_pack(rng, cp):
     return tuple(docs + [extra] if extra else docs)
 
 
-def test_every_row_is_on_one_rank_and_every_rank_holds_as_many():
+def test_every_row_is_on_one_rank_as_a_head_and_its_tail_or_a_middle():
+    """Every rank holds as many rows; a document's rows on a rank are a head and the matching tail,
+    or one middle, documents in pack order."""
     rng = random.Random(0)
     for _ in range(300):
         cp = rng.randint(1, 8)
@@ -43,17 +47,9 @@ def test_every_row_is_on_one_rank_and_every_rank_holds_as_many():
         rows = torch.cat([layout.rows(r) for r in range(cp)])
         assert torch.equal(rows.sort().values, torch.arange(sum(docs))), (cp, docs)
         assert {len(layout.rows(r)) for r in range(cp)} == {sum(docs) // cp}
-
-
-def test_a_rank_holds_a_document_as_a_head_and_its_tail_or_as_its_middle():
-    rng = random.Random(1)
-    for _ in range(300):
-        cp = rng.randint(1, 8)
-        docs = random_pack(rng, cp)
-        layout = balanced_layout(cp, docs)
         for r in range(cp):
             pieces = layout.ranks[r]
-            assert [p.doc for p in pieces] == sorted(p.doc for p in pieces)   # documents in pack order
+            assert [p.doc for p in pieces] == sorted(p.doc for p in pieces)
             for doc, mine in itertools.groupby(pieces, key=lambda p: p.doc):
                 mine = [(p.start - layout.starts[doc], p.stop - layout.starts[doc]) for p in mine]
                 n = docs[doc]
@@ -109,29 +105,7 @@ def test_unshard_refuses_shards_of_the_wrong_size():
 def test_every_visible_pair_is_computed_exactly_once(cp, band):
     docs = (2 * cp * 4, 6, 2 * cp * 2 + 2)
     docs += (-sum(docs) % (2 * cp) or 2 * cp,)
-    layout = balanced_layout(cp, docs)
-    t = sum(docs)
-    doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
-    truth = band.mask(t, t)
-    truth = torch.ones(t, t, dtype=torch.bool) if truth is None else truth
-    truth &= doc[:, None] == doc[None, :]
-    for rank in range(cp):
-        plan = ring_plan(cp, rank, layout, band, KVSchedule.ALLGATHER)
-        q_pos = layout.rows(rank)
-        covered = torch.zeros(len(q_pos), t, dtype=torch.int64)
-        sink_rows = torch.zeros(len(q_pos), dtype=torch.int64)
-        step, = plan.steps
-        for tile in step.tiles:
-            nq, nk = tile.q_rows.stop - tile.q_rows.start, tile.kv_rows.stop - tile.kv_rows.start
-            vis = tile.band.mask(nq, nk)
-            vis = torch.ones(nq, nk, dtype=torch.bool) if vis is None else vis
-            rows = torch.arange(tile.q_rows.start, tile.q_rows.stop)
-            cols = torch.arange(tile.kv_rows.start, tile.kv_rows.stop)   # the buffer is the sequence
-            assert doc[q_pos[rows]].unique().numel() == 1 and doc[cols].unique().numel() == 1
-            covered[rows[:, None], cols[None, :]] += vis.long()
-            sink_rows[rows] += int(tile.sink)
-        assert torch.equal(covered, truth[q_pos].long()), f"rank {rank}"
-        assert torch.equal(sink_rows, torch.ones_like(sink_rows))
+    assert_pack_plan_exact(cp, balanced_layout(cp, docs), band, KVSchedule.ALLGATHER)
 
 
 def test_a_causal_rank_runs_its_pieces_as_two_kernel_calls():

@@ -13,10 +13,12 @@ from sinkprof import faults
 from sinkprof.a2a import join_outer, split_outer
 from sinkprof.emulate import emulate_hierarchical, emulate_ring
 from sinkprof.options import Band, KVSchedule, SinkStrategy, make_spec
-from sinkprof.plan import global_rows, ring_plan
+from sinkprof.plan import global_rows, ring_plan, zigzag_layout
 from sinkprof.reference import doc_ids
 from sinkprof.schedule import CommSchedule, comm_bytes
 from sinkprof.testing import Shape, make_inputs, reference
+
+from conftest import assert_pack_plan_exact
 
 SOFTMAX = ["vanilla", "off-by-one", "learnable"]
 # (mask, window) pairs, windows narrower and wider than the documents' chunks, and two-sided
@@ -147,31 +149,7 @@ def test_pad_pack_pads_each_document_and_keeps_the_real_rows_exact_under_a_causa
 @pytest.mark.parametrize("kind", [KVSchedule.RING, KVSchedule.DIRECT])
 def test_every_visible_pair_of_a_pack_is_computed_exactly_once(cp, band, kind):
     docs = [2 * cp * n for n in (1, 4, 2, 1)]
-    chunks = tuple(n // (2 * cp) for n in docs)
-    t = sum(docs)
-    doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
-    truth = band.mask(t, t)
-    truth = torch.ones(t, t, dtype=torch.bool) if truth is None else truth
-    truth &= doc[:, None] == doc[None, :]
-    for rank in range(cp):
-        plan = ring_plan(cp, rank, chunks, band, kind)
-        q_pos = global_rows(cp, rank, chunks)
-        covered = torch.zeros(len(q_pos), t, dtype=torch.int64)
-        sink_rows = torch.zeros(len(q_pos), dtype=torch.int64)
-        for step in plan.steps:
-            kv_pos = global_rows(cp, step.kv_rank, chunks)
-            for tile in step.tiles:
-                nq, nk = tile.q_rows.stop - tile.q_rows.start, tile.kv_rows.stop - tile.kv_rows.start
-                vis = tile.band.mask(nq, nk)
-                vis = torch.ones(nq, nk, dtype=torch.bool) if vis is None else vis
-                rows = torch.arange(tile.q_rows.start, tile.q_rows.stop)
-                src = step.source_rows(tile.kv_rows)
-                cols = kv_pos[src]
-                assert doc[q_pos[rows]].unique().numel() == 1 and doc[cols].unique().numel() == 1
-                covered[rows[:, None], cols[None, :]] += vis.long()
-                sink_rows[rows] += int(tile.sink)
-        assert torch.equal(covered, truth[q_pos].long()), f"rank {rank}"
-        assert torch.equal(sink_rows, torch.ones_like(sink_rows))
+    assert_pack_plan_exact(cp, zigzag_layout(cp, tuple(n // (2 * cp) for n in docs)), band, kind)
 
 
 def test_documents_a_step_cannot_see_cost_no_tile_and_no_bytes():
