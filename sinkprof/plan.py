@@ -182,6 +182,9 @@ class Layout:
     ranks: tuple[tuple[Piece, ...], ...]       # per rank, its pieces in local order
     chunks: tuple[int, ...] = ()               # zigzag: rows per chunk of each document
 
+    def __hash__(self) -> int:   # what determines a layout: cheap where it keys a cache (comm_schedule)
+        return hash((self.kind, self.docs, len(self.ranks)))
+
     @property
     def cp(self) -> int:
         return len(self.ranks)
