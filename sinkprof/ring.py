@@ -87,19 +87,27 @@ class LocalKV:
     A step holding its owner's whole shard reads it in place. Otherwise (the direct schedule) the
     step's buffer receives only the rows the owner sends (``schedule.kv_rows``, through
     ``faults.active.sent_rows``), every other row is NaN, and a tile that reads a row which did
-    not arrive raises ``MissingRows``. A gathered step (``allgather``) reads every shard put at its
-    sequence rows, once per ``LocalKV`` (the shards must not change while it is in use)."""
+    not arrive raises ``MissingRows``. A gathered step (``allgather``) reads its span of the
+    sequence, every owner's rows in it put in place (``CommSchedule.gather_index``), once per
+    ``LocalKV`` (the shards must not change while it is in use)."""
 
     def __init__(self, ks, vs, schedule: CommSchedule, reader: int, phase: str):
         self.ks, self.vs, self.schedule, self.reader, self.phase = ks, vs, schedule, reader, phase
-        self.sequence = None
+        self.span = None
 
     def get(self, step: Step):
         if step.gathered:
-            if self.sequence is None:
-                rows = self.schedule.sequence_rows(self.ks[0].device)
-                self.sequence = tuple(_in_sequence(xs, rows, 2) for xs in (self.ks, self.vs))
-            return self.sequence
+            if self.span is None:
+                n = rows_in(step.held)
+                out = []
+                for xs in (self.ks, self.vs):
+                    buf = xs[0].new_empty((*xs[0].shape[:2], n, xs[0].shape[3]))
+                    for owner, x in enumerate(xs):
+                        mine, at, _ = self.schedule.gather_index(self.reader, owner, x.device)
+                        buf.index_copy_(2, at, x.index_select(2, mine))
+                    out.append(buf)
+                self.span = tuple(out)
+            return self.span
         k, v = self.ks[step.kv_rank], self.vs[step.kv_rank]
         shard = k.shape[2]
         sent = self.schedule.kv_rows(self.reader, step.index)
@@ -129,7 +137,7 @@ class LocalKV:
 class LocalDKV:
     """dK/dV added into their owner's accumulators (one per rank, or one shared): in place when
     the step holds the owner's whole shard, else through the step's own rows (a gathered step's:
-    every owner's rows of the sequence)."""
+    every owner's rows in its span)."""
 
     def __init__(self, dks, dvs, schedule: CommSchedule):
         self.dks, self.dvs, self.schedule = dks, dvs, schedule
@@ -154,24 +162,15 @@ class LocalDKV:
         if self.part is None:
             return
         if step.gathered:
-            for owner, rows in enumerate(self.schedule.sequence_rows(self.part[0].device)):
-                for home, part in zip(self._home(owner), self.part):
-                    home += part.index_select(2, rows)
+            for owner in range(self.schedule.cp):
+                mine, at, n = self.schedule.gather_index(step.kv_rank, owner, self.part[0].device)
+                if n:
+                    for home, part in zip(self._home(owner), self.part):
+                        home.index_add_(2, mine, part.index_select(2, at))
             return
         index = _held_index(step, self.part[0].device)
         for home, part in zip(self._home(step.kv_rank), self.part):
             home.index_add_(2, index, part)
-
-
-def _in_sequence(shards, rows: list[torch.Tensor], seq_dim: int, out=None) -> torch.Tensor:
-    """Every rank's shard at its sequence rows ``rows[r]``, along ``seq_dim`` (into ``out``)."""
-    if out is None:
-        shape = list(shards[0].shape)
-        shape[seq_dim] = sum(len(r) for r in rows)
-        out = shards[0].new_empty(shape)
-    for x, r in zip(shards, rows):
-        out.index_copy_(seq_dim, r, x)
-    return out
 
 
 class BiasTiles:
@@ -183,8 +182,8 @@ class BiasTiles:
         self.index = {}
         for step in plan.steps:
             for t, tile in enumerate(step.tiles):
-                cols = (torch.arange(tile.kv_rows.start, tile.kv_rows.stop, device=q_pos.device) if step.gathered
-                        else kv_pos[step.kv_rank][step.source_rows(tile.kv_rows)])
+                cols = (torch.arange(tile.kv_rows.start, tile.kv_rows.stop, device=q_pos.device) + step.held[0].start
+                        if step.gathered else kv_pos[step.kv_rank][step.source_rows(tile.kv_rows)])
                 self.index[(step.index, t)] = (q_pos[tile.q_rows], cols)
         self.grad = torch.zeros(bias.shape, dtype=grad_dtype, device=bias.device)
 
@@ -593,69 +592,102 @@ class DirectDKV:
 
 
 class GatherKV:
-    """Every rank's K/V for the one step of ``KVSchedule.ALLGATHER``: this rank's shard goes to
-    every other rank and theirs come in, as one batch, before the step computes; one copy per
-    shard then puts each at its sequence rows, the buffer the step's tiles read. Nothing computes
-    while they travel."""
+    """Every rank's K/V for the one step of ``KVSchedule.ALLGATHER``: each rank sends every other
+    the rows of its shard in that rank's span (``CommSchedule.gathered_rows``; its whole shard
+    without a copy when the span holds all of it), as one batch, before the step computes; the
+    rows that came in and this rank's own are then put at their rows of the span, the buffer the
+    step's tiles read. Nothing computes while they travel."""
 
     def __init__(self, comm, kv: torch.Tensor, fmt, phase: str, schedule: CommSchedule):
         """``kv``: this rank's K and V, ``stacked``."""
         self.comm, self.fmt, self.phase = comm, fmt, phase
-        self.own = kv
-        self.rows = schedule.sequence_rows(kv.device)
-        self.peers = [r for r in range(comm.size) if r != comm.rank]
-        self.arriving = torch.empty((len(self.peers), *kv.shape), dtype=kv.dtype, device=kv.device)
-        self.shards = list(self.arriving)   # every rank's shard, in rank order
-        self.shards.insert(comm.rank, kv)
-        shape = list(kv.shape)
-        shape[fmt.seq_dim] *= comm.size
-        self.sequence = kv.new_empty(shape)
+        me, sd, dev = comm.rank, fmt.seq_dim, kv.device
+        self.own, self.sd = kv, sd
+
+        def rows_of(n: int) -> torch.Tensor:
+            shape = list(kv.shape)
+            shape[sd] = n
+            return kv.new_empty(shape)
+        span = schedule.span(me)
+        self.span = rows_of(span.stop - span.start)
+        self.mine = schedule.gather_index(me, me, dev)[:2]            # (own rows, their rows of the span)
+        self.sends, self.recvs = [], []
+        for peer in (r for r in range(comm.size) if r != me):
+            rows, _, n = schedule.gather_index(peer, me, dev)        # the rows of this shard in the peer's span
+            if n:
+                self.sends.append((rows, kv if n == kv.shape[sd] else rows_of(n), peer))
+            _, at, n = schedule.gather_index(me, peer, dev)          # the peer's rows in this span
+            if n:
+                self.recvs.append((rows_of(n), peer, at))
 
     def get(self, step: Step):
         faults.active.on_ring_step(self.comm.rank, self.phase, step.index)
-        if self.peers:
-            self.comm.post([(self.own, p) for p in self.peers], list(zip(self.arriving, self.peers)), "kv",
-                           self.phase, step.index).wait()
-        return unstacked(_in_sequence(self.shards, self.rows, self.fmt.seq_dim, out=self.sequence), self.fmt)
+        for rows, buf, _ in self.sends:
+            if buf is not self.own:
+                torch.index_select(self.own, self.sd, rows, out=buf)
+        if self.sends or self.recvs:
+            self.comm.post([(buf, peer) for _, buf, peer in self.sends], [(buf, peer) for buf, peer, _ in self.recvs],
+                           "kv", self.phase, step.index).wait()
+        rows, at = self.mine
+        self.span.index_copy_(self.sd, at, self.own.index_select(self.sd, rows))
+        for buf, _, at in self.recvs:
+            self.span.index_copy_(self.sd, at, buf)
+        return unstacked(self.span, self.fmt)
 
 
 class GatherDKV:
-    """dK/dV of the one gathered step: accumulated over the whole sequence (written when its tiles
-    read every key once, ``Step.kv_cover``), then each owner's rows go back to it, and this rank
-    adds up its own rows from every rank (a reduce-scatter, in the accumulator dtype)."""
+    """dK/dV of the one gathered step: accumulated over the span (written when its tiles read every
+    key once, ``Step.kv_cover``), then each owner's rows in it go back to the owner, and this rank
+    adds up its own rows from every rank that read them (a reduce-scatter, in the accumulator
+    dtype)."""
 
     def __init__(self, comm, shape, dtype: torch.dtype, device, fmt, schedule: CommSchedule):
         self.comm, self.fmt = comm, fmt
-        self.sd = fmt.seq_dim + 1
-        self.rows = schedule.sequence_rows(device)
-        self.peers = [r for r in range(comm.size) if r != comm.rank]
-        whole = [2, *shape]
-        whole[self.sd] *= comm.size
-        self.sequence = torch.empty(whole, dtype=dtype, device=device)
-        self.parts = torch.empty((comm.size, 2, *shape), dtype=dtype, device=device)
-        self.incoming = torch.empty((len(self.peers), 2, *shape), dtype=dtype, device=device)
+        me = comm.rank
+        self.sd = sd = fmt.seq_dim + 1
+
+        def rows_of(n: int) -> torch.Tensor:
+            whole = [2, *shape]
+            whole[sd] = n
+            return torch.empty(whole, dtype=dtype, device=device)
+        span = schedule.span(me)
+        self.span = rows_of(span.stop - span.start)
+        self.own = rows_of(shape[sd - 1])
+        self.mine = schedule.gather_index(me, me, device)[:2]       # (own rows, their rows of the span)
+        self.parts, self.incoming = [], []
+        for peer in (r for r in range(comm.size) if r != me):
+            _, at, n = schedule.gather_index(me, peer, device)          # the peer's rows in this span: theirs
+            if n:
+                self.parts.append((at, rows_of(n), peer))
+            rows, _, n = schedule.gather_index(peer, me, device)        # this shard's rows in the peer's span
+            if n:
+                self.incoming.append((rows, rows_of(n), peer))
         self.pending = None
 
     def start(self, step: Step):
         if not step.kv_cover:
-            self.sequence.zero_()
-        return self.fmt.to_bhsd(self.sequence[0]), self.fmt.to_bhsd(self.sequence[1]), step.kv_cover
+            self.span.zero_()
+        return self.fmt.to_bhsd(self.span[0]), self.fmt.to_bhsd(self.span[1]), step.kv_cover
 
     def finish(self, step: Step) -> None:
-        for r, rows in enumerate(self.rows):
-            torch.index_select(self.sequence, self.sd, rows, out=self.parts[r])
-        if self.peers:
-            self.pending = self.comm.post([(self.parts[p], p) for p in self.peers],
-                                          list(zip(self.incoming, self.peers)), "dkv", "bwd", step.index)
+        for at, buf, _ in self.parts:
+            torch.index_select(self.span, self.sd, at, out=buf)
+        if self.parts or self.incoming:
+            self.pending = self.comm.post([(buf, peer) for _, buf, peer in self.parts],
+                                          [(buf, peer) for _, buf, peer in self.incoming], "dkv", "bwd", step.index)
 
     def home(self) -> torch.Tensor:
         """``[2, *kv_shape]``: this rank's own dK and dV, summed over every rank's tiles."""
-        own = self.parts[self.comm.rank]
+        rows, at = self.mine
+        if len(rows) != self.own.shape[self.sd]:
+            self.own.zero_()
+        self.own.index_copy_(self.sd, rows, self.span.index_select(self.sd, at))
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-            own += self.incoming.sum(0)
-        return own
+            for rows, buf, _ in self.incoming:
+                self.own.index_add_(self.sd, rows, buf)
+        return self.own
 
 
 def kv_movers(schedule: CommSchedule, comm, kv: torch.Tensor, fmt, phase: str, acc=None):

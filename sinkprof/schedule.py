@@ -9,11 +9,13 @@ rank receives for each step, and so which bytes move, per (phase, step, kind, pe
 - ``direct``: the owner of a shard sends each reader exactly the rows its tiles read at that step
   (``Step.held``), and the reader returns those rows' dK/dV partial to the owner after computing
   it; a step that reads nothing moves nothing.
-- ``allgather``: every rank sends its whole shard to every other rank before the one step
-  (``plan.gather_plan``), in the forward and again in the backward, and returns each owner its
-  rows of the dK/dV it computed (a reduce-scatter). Nothing computes while the K/V travel (the
-  bytes are those of ``ring``, less one dK/dV shard); in exchange every chunk meets all its keys
-  in one tile (long kernel loops, nothing to merge). Labelled step 0.
+- ``allgather``: before the one step (``plan.gather_plan``) every rank sends each other rank the
+  rows of its shard in that rank's span (the sequence rows from the first key its tiles read to
+  the last), in the forward and again in the backward, and returns each owner the dK/dV it
+  computed of those rows (a reduce-scatter). Nothing computes while the K/V travel (at most the
+  bytes of ``ring``, less one dK/dV shard: fewer where a rank's tiles read only part of the
+  sequence, as under a causal mask or in a pack's balanced layout); in exchange every chunk meets
+  all its keys in one tile (long kernel loops, nothing to merge). Labelled step 0.
 
 A message is labelled with the step during which it is in flight: the K/V a rank computes with at
 step i+1 is posted as step i starts (label i), so it overlaps step i's compute; a dK/dV message
@@ -71,16 +73,35 @@ class CommSchedule:
             raise ValueError("CommSchedule needs 'ring', 'direct' or 'allgather'; comm_schedule resolves 'auto'")
         self.kind, self.cp, self.layout, self.band = kind, cp, as_layout(cp, chunk), band
         self.plans: tuple[RankPlan, ...] = tuple(ring_plan(cp, r, self.layout, band, kind) for r in range(cp))
-        self._sequence_rows: dict = {}
+        self._gather_index: dict = {}
 
-    def sequence_rows(self, device) -> list[torch.Tensor]:
-        """The sequence row of each row of every rank's shard (the order of an ``allgather`` step's
-        buffer), made once per device: a warm call does no host work for them, and a graph can
-        capture it."""
-        key = str(torch.device(device))
-        if key not in self._sequence_rows:
-            self._sequence_rows[key] = [self.layout.rows(r, device) for r in range(self.cp)]
-        return self._sequence_rows[key]
+    def span(self, reader: int) -> slice:
+        """The sequence rows of ``reader``'s one step's buffer under ``allgather`` (from the first key
+        its tiles read to the last)."""
+        return self.plans[reader].steps[0].held[0]
+
+    def gathered_rows(self, reader: int, owner: int) -> list[tuple[int, int, int]]:
+        """The rows of ``owner``'s shard in ``reader``'s span (``allgather``: what the owner sends
+        it), as runs ``(owner's local row, row of the reader's buffer, rows)`` in local order."""
+        span, out = self.span(reader), []
+        for at, piece in self.layout.local_pieces(owner):
+            lo, hi = max(piece.start, span.start), min(piece.stop, span.stop)
+            if lo < hi:
+                out.append((at + lo - piece.start, lo - span.start, hi - lo))
+        return out
+
+    def gather_index(self, reader: int, owner: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``gathered_rows`` as index tensors (the owner's local rows, the reader's buffer rows) and
+        their count, made once per device: a warm call does no host work, and a graph can capture it."""
+        key = (reader, owner, str(torch.device(device)))
+        if key not in self._gather_index:
+            runs = self.gathered_rows(reader, owner)
+            mine = [torch.arange(src, src + n) for src, _, n in runs]
+            at = [torch.arange(dst, dst + n) for _, dst, n in runs]
+            empty = torch.zeros(0, dtype=torch.int64)
+            self._gather_index[key] = (torch.cat(mine or [empty]).to(device), torch.cat(at or [empty]).to(device),
+                                       sum(n for _, _, n in runs))
+        return self._gather_index[key]
 
     def kv_rows(self, reader: int, step: int) -> tuple[slice, ...]:
         """Rows of rank ``(reader - step) % cp``'s shard that ``reader`` holds at ``step`` (the
@@ -109,11 +130,13 @@ class CommSchedule:
 
         shard = self.layout.shard_rows
         if cp > 1 and self.kind is KVSchedule.ALLGATHER:
-            for peer in range(cp):
+            for peer in range(cp):   # the rows of each shard in the reader's span; dK/dV of them go back
                 if peer != rank:
-                    add("fwd", 0, "kv", peer, shard, shard, kv_row_bytes)
-                    add("bwd", 0, "kv", peer, shard, shard, kv_row_bytes)
-                    add("bwd", 0, "dkv", peer, shard, shard, dkv_row_bytes)
+                    mine = sum(n for _, _, n in self.gathered_rows(peer, rank))
+                    theirs = sum(n for _, _, n in self.gathered_rows(rank, peer))
+                    add("fwd", 0, "kv", peer, mine, theirs, kv_row_bytes)
+                    add("bwd", 0, "kv", peer, mine, theirs, kv_row_bytes)
+                    add("bwd", 0, "dkv", peer, theirs, mine, dkv_row_bytes)
         elif cp > 1 and self.kind is KVSchedule.RING:
             nxt, prev = (rank + 1) % cp, (rank - 1) % cp
             for phase in ("fwd", "bwd"):

@@ -144,15 +144,36 @@ def test_the_doc_leak_fault_breaks_the_replay():
     assert (clean.out - ref.out).abs().max() < 1e-12
 
 
-def test_bytes_are_allgathers_of_equal_shards():
-    docs = [40, 12, 20]
-    kw = dict(s=72, b=1, h=4, g=2, d=8, dtype=torch.float32, cp=4, mask="causal", cu_seqlens=cu(docs))
+def test_each_rank_gets_the_rows_of_its_span_of_the_pack():
+    """Under allgather a rank receives, of every other shard, the rows between the first and the
+    last key its own rows see (its documents' keys up to its pieces' last rows), and returns their
+    dK/dV: in the balanced layout a rank holding a few documents gets little of the others'."""
+    docs, cp, g, d = [40, 12, 20, 8], 4, 2, 8
+    layout = balanced_layout(cp, tuple(docs))
+    kw = dict(s=80, b=1, h=4, g=g, d=d, dtype=torch.float32, cp=cp, mask="causal", cu_seqlens=cu(docs))
     assert resolved_kv_schedule(**kw, pack_layout="balanced") is KVSchedule.ALLGATHER
-    got = comm_bytes(**kw, pack_layout="balanced")
-    per_peer = 18 * 2 * 2 * 8 * 4   # a shard of 18 rows, K and V of 2 heads of 8, fp32
-    for t in got:
-        assert t.step == 0 and t.sent == t.received == per_peer and t.messages_sent == 1
-    assert len(got) == 4 * 3 * 3   # per rank, per peer: fwd kv, bwd kv, bwd dkv
+    doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+    seen = Band(None, 0).mask(80, 80) & (doc[:, None] == doc[None, :])
+    spans = []
+    for r in range(cp):
+        keys = seen[layout.rows(r)].any(0).nonzero().flatten()
+        spans.append((int(keys.min()), int(keys.max()) + 1))
+
+    def rows(reader, owner):
+        pos = layout.rows(owner)
+        return int(((pos >= spans[reader][0]) & (pos < spans[reader][1])).sum())
+    kv_row, dkv_row = 2 * g * d * 4, 2 * g * d * 4   # K and V (dK and dV) rows of b=1, fp32
+    got = {(t.rank, t.phase, t.kind, t.peer): (t.sent, t.received) for t in comm_bytes(**kw, pack_layout="balanced")}
+    want = {}
+    for r in range(cp):
+        for p in (p for p in range(cp) if p != r):
+            mine, theirs = rows(p, r), rows(r, p)
+            for phase, kind, out, back in (("fwd", "kv", mine, theirs), ("bwd", "kv", mine, theirs),
+                                           ("bwd", "dkv", theirs, mine)):
+                if out or back:
+                    want[(r, phase, kind, p)] = (out * kv_row, back * dkv_row)
+    assert got == want
+    assert sum(out for out, _ in got.values()) < 3 * cp * (cp - 1) * 20 * kv_row   # less than whole shards
 
 
 @pytest.mark.parametrize("call,message", [

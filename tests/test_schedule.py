@@ -125,23 +125,43 @@ def test_comm_bytes_is_the_schedule_in_cp_ranks_and_auto_takes_the_fewer_bytes()
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 8])
-@pytest.mark.parametrize("name,band", BANDS[:3])
-def test_allgather_sends_every_shard_to_every_rank_once_per_phase(cp, name, band):
-    """Each rank sends its whole K/V shard to every other rank in the forward and again in the
-    backward, and returns each owner its rows of dK/dV, all labelled step 0: the ring's bytes less
-    one dK/dV shard per rank; ``auto`` never takes it."""
+@pytest.mark.parametrize("name,band", BANDS[:3] + BANDS[6:7])
+def test_allgather_sends_each_rank_the_rows_of_its_span_once_per_phase(cp, name, band):
+    """Each rank sends every other rank the rows of its shard between the first and the last key
+    that rank's rows can see, in the forward and again in the backward, and gets back the dK/dV
+    of the rows it sent, all labelled step 0: whole shards without a mask (the ring's bytes less
+    one dK/dV shard per rank), fewer under a causal mask or a window; ``auto`` never takes it."""
     kv_row, dkv_row = 10, 20
-    shard = 2 * C
+    shard, s = 2 * C, 2 * C * cp
     gather = CommSchedule(KVSchedule.ALLGATHER, cp, C, band)
     ring = CommSchedule(KVSchedule.RING, cp, C, band)
+    seen = band.mask(s, s)
+    seen = torch.ones(s, s, dtype=torch.bool) if seen is None else seen
+    spans = []
+    for rank in range(cp):   # the keys the rank's rows see, first to last
+        keys = seen[global_rows(cp, rank, C)].any(0).nonzero().flatten()
+        spans.append((int(keys.min()), int(keys.max()) + 1))
+
+    def rows(reader, owner):
+        pos = global_rows(cp, owner, C)
+        return int(((pos >= spans[reader][0]) & (pos < spans[reader][1])).sum())
     for rank in range(cp):
         moves = gather.transfers(rank, kv_row, dkv_row)
         assert {t.step for t in moves} <= {0}
-        want = {(phase, kind, peer): (1, shard * row, 1, shard * row) for peer in range(cp) if peer != rank
-                for phase, kind, row in (("fwd", "kv", kv_row), ("bwd", "kv", kv_row), ("bwd", "dkv", dkv_row))}
+        want = {}
+        for peer in (p for p in range(cp) if p != rank):
+            mine, theirs = rows(peer, rank), rows(rank, peer)
+            for phase, kind, out, back, row in (("fwd", "kv", mine, theirs, kv_row), ("bwd", "kv", mine, theirs, kv_row),
+                                                ("bwd", "dkv", theirs, mine, dkv_row)):
+                if out or back:
+                    want[(phase, kind, peer)] = (int(out > 0), out * row, int(back > 0), back * row)
         assert {(t.phase, t.kind, t.peer): t.counts for t in moves} == want
     if cp > 1:
-        assert gather.total_bytes(kv_row, dkv_row) == ring.total_bytes(kv_row, dkv_row) - cp * shard * dkv_row
+        whole = ring.total_bytes(kv_row, dkv_row) - cp * shard * dkv_row
+        if name == "no_mask":
+            assert gather.total_bytes(kv_row, dkv_row) == whole
+        else:
+            assert 0 < gather.total_bytes(kv_row, dkv_row) < whole
     assert comm_schedule("auto", cp, C, band, kv_row, dkv_row).kind is not KVSchedule.ALLGATHER
 
 

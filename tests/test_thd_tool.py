@@ -123,7 +123,7 @@ def test_profile_pack_values_name_the_file_and_key(no_launch, tmp_path, text, me
     (["check", "--qkv-format", "thd", "--bias"], "--bias: a thd pack takes no bias"),
     (["check", "--qkv-format", "thd", "--seqlens", "32,32", "--window", "0,0", "--inject", "doc-leak"],
      "--inject doc-leak: the fault applies to none"),
-    (["check", "--inject", "doc-leak"], "it needs a thd pack of two documents or more"),
+    (["check", "--inject", "doc-leak"], "it needs a thd pack of which some rank holds two documents or more"),
     (["check", "--qkv-format", "thd", "--seqlens", "64", "--inject", "doc-leak"], "--inject doc-leak"),
     (["bench", "--qkv-format", "thd", "--seqlens", "4,28,32", "--simulate", "2,4"],
      "--simulate 4: document 0 has 4 tokens"),

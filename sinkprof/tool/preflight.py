@@ -177,7 +177,7 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
 
     Host: the full-sequence fp64 inputs and their rounded copy (``make_inputs``). Device (the
     host when the run is on the CPU): the reference's fp64 inputs, results and one score block,
-    and the CP run's shard, ring buffers (under allgather the whole sequence's K/V and dK/dV), the
+    and the CP run's shard, ring buffers (under allgather at most the whole sequence's K/V and dK/dV), the
     forward's buffers of later results, gradients and, with ``tile_scores`` (the torch tiles,
     which hold a tile's scores; cuDNN and FA4 never do), a tile's scores. A thd pack's tiles are
     its documents' own (``plan.ring_plan``), so its largest tile is its longest document's, not
@@ -203,7 +203,7 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
     # than once, the fp32 accumulator (ring.ForwardState)
     device += o_local * (min(PARTS, 2 * (ring - 1)) * elem + (acc if ring - 1 > PARTS else 0))
     gather = ring > 1 and _ring_schedule(case, ranks) is KVSchedule.ALLGATHER
-    if gather:   # the whole sequence's K/V and the shards they arrived in; its dK/dV, their parts and arrivals
+    if gather:   # at most: the whole sequence's K/V and the rows they arrived in; its dK/dV, their parts and arrivals
         kv_all = sh.b * sh.s * 2 * max(1, sh.g // members) * sh.d
         device += kv_all * 2 * elem + kv_all * 3 * acc
     if tile_scores or case.bias:    # bias tiles fall back to the torch tiles
