@@ -57,9 +57,9 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     (every step forwards whole shards to the next rank), ``direct`` (each owner sends each rank
     exactly the rows its tiles read at the step that reads them, and the rows' dK/dV return to
     the owner; a sliding window moves halos only), ``allgather`` (each rank gets the rows of every
-    shard in the span of the sequence its tiles read, then runs one step over it: each chunk meets
-    all its keys in one kernel call, the fastest compute for short pieces such as a pack's
-    documents, but nothing hides the transfer and each rank holds its span's K/V) or ``auto`` (whichever of ring and direct moves fewer
+    shard its tiles read, then runs one step over them: each chunk meets all its keys in one kernel
+    call, the fastest compute for short pieces such as a pack's documents, but nothing hides the
+    transfer and each rank holds the K/V of every row it reads) or ``auto`` (whichever of ring and direct moves fewer
     bytes for this mask, window and cp; ``sinkprof.comm_bytes`` gives the bytes of each). It
     applies to the ring of p2p and a2a+p2p; plain a2a has none.
 

@@ -103,7 +103,7 @@ class KVSchedule(_Choice):
     AUTO = "auto"      # ring or direct, whichever moves fewer bytes for this plan
     RING = "ring"      # whole shards forwarded to the next rank every step
     DIRECT = "direct"  # each owner sends each reader exactly the rows it reads, at the step it reads them
-    ALLGATHER = "allgather"  # every shard's rows in a rank's span to it, before one step over the span (not overlapped)
+    ALLGATHER = "allgather"  # every shard's rows a rank reads to it, before one step over them (not overlapped)
 
 
 class PackLayout(_Choice):

@@ -67,9 +67,8 @@ class Step:
     reads: tuple[slice, ...] = ()   # rows of the owner's shard the tiles read (sorted, disjoint)
     held: tuple[slice, ...] = ()    # rows of the owner's shard in this step's K/V buffer, in buffer order
     merges: int = 0                 # once this step's tiles are in: merge buffers 0..merges-1 into the rows' result
-    gathered: bool = False          # the buffer is one span of the sequence, every rank's rows in it in sequence
-                                    # order (``held``: that span, in sequence rows; ``reads``: the sequence rows
-                                    # the tiles read; ``KVSchedule.ALLGATHER``), not one owner's rows
+    gathered: bool = False          # the buffer holds rows of the sequence from every rank (``held`` and ``reads``
+                                    # in sequence rows; ``KVSchedule.ALLGATHER``), not one owner's rows
 
     @property
     def held_rows(self) -> int:
@@ -524,11 +523,11 @@ def ring_plan(cp: int, rank: int, chunk, band: Band, kv_schedule=KVSchedule.RING
 
 
 def gather_plan(cp: int, rank: int, chunk, band: Band) -> RankPlan:
-    """The plan of ``rank`` under ``KVSchedule.ALLGATHER``: one step whose K/V buffer is the span of
-    the sequence its tiles read (``Step.held``: one range of sequence rows, from the first key a
-    tile reads to the last; every rank sends each the rows of its shard in that span), so each
-    local piece of each document (a chunk, in the zigzag layout) meets every key it can see in one
-    tile (under a causal mask, the document's keys up to the piece's last row). Each local row is in exactly one tile, which
+    """The plan of ``rank`` under ``KVSchedule.ALLGATHER``: one step whose K/V buffer holds the rows
+    of the sequence its tiles read (``Step.held``: ranges of sequence rows, packed in order; every
+    rank sends each the rows of its shard in them), so each local piece of each document (a chunk,
+    in the zigzag layout) meets every key it can see in one tile (under a causal mask, the
+    document's keys up to the piece's last row). Each local row is in exactly one tile, which
     carries its sink: nothing is merged. A document's two pieces join into one tile when they read
     the same keys with one band (no mask); otherwise the first pieces of every document come first,
     then the second pieces, so a kernel with varlen calls takes each half as one call
@@ -549,11 +548,9 @@ def gather_plan(cp: int, rank: int, chunk, band: Band) -> RankPlan:
         else:
             halves[second].append(Tile(rows, kv_rows, tile_band, True))
         last_doc = piece.doc
-    tiles = halves[0] + halves[1]
-    lo, hi = min(t.kv_rows.start for t in tiles), max(t.kv_rows.stop for t in tiles)
-    step = Step(0, rank, tuple(dataclasses.replace(t, kv_rows=_shift(t.kv_rows, -lo)) for t in tiles),
-                _union(t.kv_rows for t in tiles), (slice(lo, hi),), gathered=True)
-    return RankPlan(cp, rank, layout, _with_parts([step]))
+    tiles = tuple(halves[0] + halves[1])
+    step = Step(0, rank, tiles, _union(t.kv_rows for t in tiles), (slice(0, sum(layout.docs)),), gathered=True)
+    return RankPlan(cp, rank, layout, _with_parts([_packed(step)]))
 
 
 def _shift(rows: slice, offset: int) -> slice:

@@ -87,17 +87,17 @@ class LocalKV:
     A step holding its owner's whole shard reads it in place. Otherwise (the direct schedule) the
     step's buffer receives only the rows the owner sends (``schedule.kv_rows``, through
     ``faults.active.sent_rows``), every other row is NaN, and a tile that reads a row which did
-    not arrive raises ``MissingRows``. A gathered step (``allgather``) reads its span of the
-    sequence, every owner's rows in it put in place (``CommSchedule.gather_index``), once per
+    not arrive raises ``MissingRows``. A gathered step (``allgather``) reads the rows of the
+    sequence it holds, every owner's put in place (``CommSchedule.gather_index``), once per
     ``LocalKV`` (the shards must not change while it is in use)."""
 
     def __init__(self, ks, vs, schedule: CommSchedule, reader: int, phase: str):
         self.ks, self.vs, self.schedule, self.reader, self.phase = ks, vs, schedule, reader, phase
-        self.span = None
+        self.buffer = None
 
     def get(self, step: Step):
         if step.gathered:
-            if self.span is None:
+            if self.buffer is None:
                 n = rows_in(step.held)
                 out = []
                 for xs in (self.ks, self.vs):
@@ -106,8 +106,8 @@ class LocalKV:
                         mine, at, _ = self.schedule.gather_index(self.reader, owner, x.device)
                         buf.index_copy_(2, at, x.index_select(2, mine))
                     out.append(buf)
-                self.span = tuple(out)
-            return self.span
+                self.buffer = tuple(out)
+            return self.buffer
         k, v = self.ks[step.kv_rank], self.vs[step.kv_rank]
         shard = k.shape[2]
         sent = self.schedule.kv_rows(self.reader, step.index)
@@ -137,7 +137,7 @@ class LocalKV:
 class LocalDKV:
     """dK/dV added into their owner's accumulators (one per rank, or one shared): in place when
     the step holds the owner's whole shard, else through the step's own rows (a gathered step's:
-    every owner's rows in its span)."""
+    every owner's rows it read)."""
 
     def __init__(self, dks, dvs, schedule: CommSchedule):
         self.dks, self.dvs, self.schedule = dks, dvs, schedule
@@ -182,8 +182,9 @@ class BiasTiles:
         self.index = {}
         for step in plan.steps:
             for t, tile in enumerate(step.tiles):
-                cols = (torch.arange(tile.kv_rows.start, tile.kv_rows.stop, device=q_pos.device) + step.held[0].start
-                        if step.gathered else kv_pos[step.kv_rank][step.source_rows(tile.kv_rows)])
+                src = step.source_rows(tile.kv_rows)   # sequence rows of a gathered step's, else the owner's
+                cols = (torch.arange(src.start, src.stop, device=q_pos.device) if step.gathered
+                        else kv_pos[step.kv_rank][src])
                 self.index[(step.index, t)] = (q_pos[tile.q_rows], cols)
         self.grad = torch.zeros(bias.shape, dtype=grad_dtype, device=bias.device)
 
@@ -593,10 +594,10 @@ class DirectDKV:
 
 class GatherKV:
     """Every rank's K/V for the one step of ``KVSchedule.ALLGATHER``: each rank sends every other
-    the rows of its shard in that rank's span (``CommSchedule.gathered_rows``; its whole shard
-    without a copy when the span holds all of it), as one batch, before the step computes; the
-    rows that came in and this rank's own are then put at their rows of the span, the buffer the
-    step's tiles read. Nothing computes while they travel."""
+    the rows of its shard that rank's tiles read (``CommSchedule.gathered_rows``; its whole shard
+    without a copy when they are all of it), as one batch, before the step computes; the rows that
+    came in and this rank's own are then put at their rows of the step's buffer (``Step.held``).
+    Nothing computes while they travel."""
 
     def __init__(self, comm, kv: torch.Tensor, fmt, phase: str, schedule: CommSchedule):
         """``kv``: this rank's K and V, ``stacked``."""
@@ -608,15 +609,14 @@ class GatherKV:
             shape = list(kv.shape)
             shape[sd] = n
             return kv.new_empty(shape)
-        span = schedule.span(me)
-        self.span = rows_of(span.stop - span.start)
-        self.mine = schedule.gather_index(me, me, dev)[:2]            # (own rows, their rows of the span)
+        self.buffer = rows_of(rows_in(schedule.plans[me].steps[0].held))
+        self.mine = schedule.gather_index(me, me, dev)[:2]            # (own rows read, their rows of the buffer)
         self.sends, self.recvs = [], []
         for peer in (r for r in range(comm.size) if r != me):
-            rows, _, n = schedule.gather_index(peer, me, dev)        # the rows of this shard in the peer's span
+            rows, _, n = schedule.gather_index(peer, me, dev)        # the rows of this shard the peer reads
             if n:
                 self.sends.append((rows, kv if n == kv.shape[sd] else rows_of(n), peer))
-            _, at, n = schedule.gather_index(me, peer, dev)          # the peer's rows in this span
+            _, at, n = schedule.gather_index(me, peer, dev)          # the peer's rows this rank reads
             if n:
                 self.recvs.append((rows_of(n), peer, at))
 
@@ -629,15 +629,15 @@ class GatherKV:
             self.comm.post([(buf, peer) for _, buf, peer in self.sends], [(buf, peer) for buf, peer, _ in self.recvs],
                            "kv", self.phase, step.index).wait()
         rows, at = self.mine
-        self.span.index_copy_(self.sd, at, self.own.index_select(self.sd, rows))
+        self.buffer.index_copy_(self.sd, at, self.own.index_select(self.sd, rows))
         for buf, _, at in self.recvs:
-            self.span.index_copy_(self.sd, at, buf)
-        return unstacked(self.span, self.fmt)
+            self.buffer.index_copy_(self.sd, at, buf)
+        return unstacked(self.buffer, self.fmt)
 
 
 class GatherDKV:
-    """dK/dV of the one gathered step: accumulated over the span (written when its tiles read every
-    key once, ``Step.kv_cover``), then each owner's rows in it go back to the owner, and this rank
+    """dK/dV of the one gathered step: accumulated over the rows it read (written when its tiles read
+    every key once, ``Step.kv_cover``), then each owner's rows go back to the owner, and this rank
     adds up its own rows from every rank that read them (a reduce-scatter, in the accumulator
     dtype)."""
 
@@ -650,28 +650,27 @@ class GatherDKV:
             whole = [2, *shape]
             whole[sd] = n
             return torch.empty(whole, dtype=dtype, device=device)
-        span = schedule.span(me)
-        self.span = rows_of(span.stop - span.start)
+        self.buffer = rows_of(rows_in(schedule.plans[me].steps[0].held))
         self.own = rows_of(shape[sd - 1])
-        self.mine = schedule.gather_index(me, me, device)[:2]       # (own rows, their rows of the span)
+        self.mine = schedule.gather_index(me, me, device)[:2]       # (own rows read, their rows of the buffer)
         self.parts, self.incoming = [], []
         for peer in (r for r in range(comm.size) if r != me):
-            _, at, n = schedule.gather_index(me, peer, device)          # the peer's rows in this span: theirs
+            _, at, n = schedule.gather_index(me, peer, device)          # the peer's rows this rank read: theirs
             if n:
                 self.parts.append((at, rows_of(n), peer))
-            rows, _, n = schedule.gather_index(peer, me, device)        # this shard's rows in the peer's span
+            rows, _, n = schedule.gather_index(peer, me, device)        # this shard's rows the peer read
             if n:
                 self.incoming.append((rows, rows_of(n), peer))
         self.pending = None
 
     def start(self, step: Step):
         if not step.kv_cover:
-            self.span.zero_()
-        return self.fmt.to_bhsd(self.span[0]), self.fmt.to_bhsd(self.span[1]), step.kv_cover
+            self.buffer.zero_()
+        return self.fmt.to_bhsd(self.buffer[0]), self.fmt.to_bhsd(self.buffer[1]), step.kv_cover
 
     def finish(self, step: Step) -> None:
         for at, buf, _ in self.parts:
-            torch.index_select(self.span, self.sd, at, out=buf)
+            torch.index_select(self.buffer, self.sd, at, out=buf)
         if self.parts or self.incoming:
             self.pending = self.comm.post([(buf, peer) for _, buf, peer in self.parts],
                                           [(buf, peer) for _, buf, peer in self.incoming], "dkv", "bwd", step.index)
@@ -681,7 +680,7 @@ class GatherDKV:
         rows, at = self.mine
         if len(rows) != self.own.shape[self.sd]:
             self.own.zero_()
-        self.own.index_copy_(self.sd, rows, self.span.index_select(self.sd, at))
+        self.own.index_copy_(self.sd, rows, self.buffer.index_select(self.sd, at))
         if self.pending is not None:
             self.pending.wait()
             self.pending = None

@@ -10,12 +10,12 @@ rank receives for each step, and so which bytes move, per (phase, step, kind, pe
   (``Step.held``), and the reader returns those rows' dK/dV partial to the owner after computing
   it; a step that reads nothing moves nothing.
 - ``allgather``: before the one step (``plan.gather_plan``) every rank sends each other rank the
-  rows of its shard in that rank's span (the sequence rows from the first key its tiles read to
-  the last), in the forward and again in the backward, and returns each owner the dK/dV it
-  computed of those rows (a reduce-scatter). Nothing computes while the K/V travel (at most the
-  bytes of ``ring``, less one dK/dV shard: fewer where a rank's tiles read only part of the
-  sequence, as under a causal mask or in a pack's balanced layout); in exchange every chunk meets
-  all its keys in one tile (long kernel loops, nothing to merge). Labelled step 0.
+  rows of its shard that rank's tiles read (``Step.held``, sequence rows), in the forward and
+  again in the backward, and returns each owner the dK/dV it computed of those rows (a
+  reduce-scatter). Nothing computes while the K/V travel (at most the bytes of ``ring``, less one
+  dK/dV shard: fewer where a rank's tiles read only part of the sequence, as under a causal mask
+  or in a pack's balanced layout); in exchange every chunk meets all its keys in one tile (long
+  kernel loops, nothing to merge). Labelled step 0.
 
 A message is labelled with the step during which it is in flight: the K/V a rank computes with at
 step i+1 is posted as step i starts (label i), so it overlaps step i's compute; a dK/dV message
@@ -75,19 +75,17 @@ class CommSchedule:
         self.plans: tuple[RankPlan, ...] = tuple(ring_plan(cp, r, self.layout, band, kind) for r in range(cp))
         self._gather_index: dict = {}
 
-    def span(self, reader: int) -> slice:
-        """The sequence rows of ``reader``'s one step's buffer under ``allgather`` (from the first key
-        its tiles read to the last)."""
-        return self.plans[reader].steps[0].held[0]
-
     def gathered_rows(self, reader: int, owner: int) -> list[tuple[int, int, int]]:
-        """The rows of ``owner``'s shard in ``reader``'s span (``allgather``: what the owner sends
-        it), as runs ``(owner's local row, row of the reader's buffer, rows)`` in local order."""
-        span, out = self.span(reader), []
+        """The rows of ``owner``'s shard that ``reader``'s tiles read (``allgather``: what the owner
+        sends it), as runs ``(owner's local row, row of the reader's buffer, rows)`` in local order."""
+        held, out, starts = self.plans[reader].steps[0].held, [], []
+        for part in held:
+            starts.append(sum(p.stop - p.start for p in held[:len(starts)]))
         for at, piece in self.layout.local_pieces(owner):
-            lo, hi = max(piece.start, span.start), min(piece.stop, span.stop)
-            if lo < hi:
-                out.append((at + lo - piece.start, lo - span.start, hi - lo))
+            for part, buffer_at in zip(held, starts):
+                lo, hi = max(piece.start, part.start), min(piece.stop, part.stop)
+                if lo < hi:
+                    out.append((at + lo - piece.start, buffer_at + lo - part.start, hi - lo))
         return out
 
     def gather_index(self, reader: int, owner: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -130,7 +128,7 @@ class CommSchedule:
 
         shard = self.layout.shard_rows
         if cp > 1 and self.kind is KVSchedule.ALLGATHER:
-            for peer in range(cp):   # the rows of each shard in the reader's span; dK/dV of them go back
+            for peer in range(cp):   # the rows of each shard the reader reads; dK/dV of them go back
                 if peer != rank:
                     mine = sum(n for _, _, n in self.gathered_rows(peer, rank))
                     theirs = sum(n for _, _, n in self.gathered_rows(rank, peer))

@@ -36,8 +36,8 @@ def assert_pack_plan_exact(cp: int, layout, band, kind) -> None:
                 vis = tile.band.mask(nq, nk)
                 vis = torch.ones(nq, nk, dtype=torch.bool) if vis is None else vis
                 rows = torch.arange(tile.q_rows.start, tile.q_rows.stop)
-                cols = (torch.arange(tile.kv_rows.start, tile.kv_rows.stop) + step.held[0].start if step.gathered
-                        else layout.rows(step.kv_rank)[step.source_rows(tile.kv_rows)])   # (a span of the sequence)
+                src = step.source_rows(tile.kv_rows)   # sequence rows of a gathered step's buffer, else the owner's
+                cols = torch.arange(src.start, src.stop) if step.gathered else layout.rows(step.kv_rank)[src]
                 assert doc[q_pos[rows]].unique().numel() == 1 and doc[cols].unique().numel() == 1
                 covered[rows[:, None], cols[None, :]] += vis.long()
                 sink_rows[rows] += int(tile.sink)

@@ -127,24 +127,20 @@ def test_comm_bytes_is_the_schedule_in_cp_ranks_and_auto_takes_the_fewer_bytes()
 @pytest.mark.parametrize("cp", [1, 2, 3, 8])
 @pytest.mark.parametrize("name,band", BANDS[:3] + BANDS[6:7])
 def test_allgather_sends_each_rank_the_rows_of_its_span_once_per_phase(cp, name, band):
-    """Each rank sends every other rank the rows of its shard between the first and the last key
-    that rank's rows can see, in the forward and again in the backward, and gets back the dK/dV
-    of the rows it sent, all labelled step 0: whole shards without a mask (the ring's bytes less
-    one dK/dV shard per rank), fewer under a causal mask or a window; ``auto`` never takes it."""
+    """Each rank sends every other rank the rows of its shard that rank's rows can see, in the
+    forward and again in the backward, and gets back the dK/dV of the rows it sent, all labelled
+    step 0: whole shards without a mask (the ring's bytes less one dK/dV shard per rank), fewer
+    under a causal mask or a window; ``auto`` never takes it."""
     kv_row, dkv_row = 10, 20
     shard, s = 2 * C, 2 * C * cp
     gather = CommSchedule(KVSchedule.ALLGATHER, cp, C, band)
     ring = CommSchedule(KVSchedule.RING, cp, C, band)
     seen = band.mask(s, s)
     seen = torch.ones(s, s, dtype=torch.bool) if seen is None else seen
-    spans = []
-    for rank in range(cp):   # the keys the rank's rows see, first to last
-        keys = seen[global_rows(cp, rank, C)].any(0).nonzero().flatten()
-        spans.append((int(keys.min()), int(keys.max()) + 1))
+    read = [seen[global_rows(cp, rank, C)].any(0) for rank in range(cp)]   # the keys each rank's rows see
 
     def rows(reader, owner):
-        pos = global_rows(cp, owner, C)
-        return int(((pos >= spans[reader][0]) & (pos < spans[reader][1])).sum())
+        return int(read[reader][global_rows(cp, owner, C)].sum())
     for rank in range(cp):
         moves = gather.transfers(rank, kv_row, dkv_row)
         assert {t.step for t in moves} <= {0}
