@@ -610,11 +610,14 @@ class GatherKV:
             shape[sd] = n
             return kv.new_empty(shape)
         self.buffer = rows_of(rows_in(schedule.plans[me].steps[0].held))
-        self.mine = schedule.gather_index(me, me, dev)[:2]            # (own rows read, their rows of the buffer)
+        # (own rows read, their rows of the buffer): every own row (a band holds its diagonal), in local
+        # order as ``gathered_rows`` lists them, so the shard itself goes in without a copy
+        rows, at, n = schedule.gather_index(me, me, dev)
+        self.mine = (None if n == kv.shape[sd] else rows), at
         self.sends, self.recvs = [], []
         for peer in (r for r in range(comm.size) if r != me):
             rows, _, n = schedule.gather_index(peer, me, dev)        # the rows of this shard the peer reads
-            if n:
+            if n:   # all of them: the shard itself (the rows in local order, as the reader places them)
                 self.sends.append((rows, kv if n == kv.shape[sd] else rows_of(n), peer))
             _, at, n = schedule.gather_index(me, peer, dev)          # the peer's rows this rank reads
             if n:
@@ -629,7 +632,7 @@ class GatherKV:
             self.comm.post([(buf, peer) for _, buf, peer in self.sends], [(buf, peer) for buf, peer, _ in self.recvs],
                            "kv", self.phase, step.index).wait()
         rows, at = self.mine
-        self.buffer.index_copy_(self.sd, at, self.own.index_select(self.sd, rows))
+        self.buffer.index_copy_(self.sd, at, self.own if rows is None else self.own.index_select(self.sd, rows))
         for buf, _, at in self.recvs:
             self.buffer.index_copy_(self.sd, at, buf)
         return unstacked(self.buffer, self.fmt)

@@ -203,9 +203,10 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
     # than once, the fp32 accumulator (ring.ForwardState)
     device += o_local * (min(PARTS, 2 * (ring - 1)) * elem + (acc if ring - 1 > PARTS else 0))
     gather = ring > 1 and _ring_schedule(case, ranks) is KVSchedule.ALLGATHER
-    if gather:   # at most: the whole sequence's K/V and the rows they arrived in; its dK/dV, their parts and arrivals
+    if gather:   # at most the sequence's K/V three times (the rows read; the rows staged to send, and arrived),
+        # and its dK/dV three times (the rows read; their parts going back, and arrived)
         kv_all = sh.b * sh.s * 2 * max(1, sh.g // members) * sh.d
-        device += kv_all * 2 * elem + kv_all * 3 * acc
+        device += kv_all * 3 * elem + kv_all * 3 * acc
     if tile_scores or case.bias:    # bias tiles fall back to the torch tiles
         # the largest tile: step 0's 2c x 2c of the outer ring (every tile under no_mask), on the
         # heads a rank keeps after the inner a2a; a2a alone is a ring of one rank (c = s / 2);
