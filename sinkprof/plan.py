@@ -42,6 +42,10 @@ from .options import BALANCED_RUNS, AttnSpec, Band, KVSchedule, PackLayout, doc_
 
 
 PARTS = 8   # later tiles' results waiting for their merge at most: the forward's memory is PARTS x the rank's o
+BALANCE = 1e-3   # the balanced layout's work per rank: within this fraction of the mean where it can be
+# The orders the light end of a two-ended fill takes documents in (lower first): by the first row
+# left (the lightest rows), by the rows left (whole short documents), and mixes of the two.
+LIGHT_ORDERS = (1.0, 0.75, 0.5, 0.0)
 
 
 @dataclass(frozen=True)
@@ -174,8 +178,8 @@ class Piece:
 @dataclass(frozen=True)
 class Layout:
     """Which rows of a sequence or a pack each rank holds, in local order: every rank holds as
-    many rows, each document's rows on a rank come as one or two pieces (a head and the matching
-    tail, or one middle), and the documents follow in pack order."""
+    many rows, each document's rows on a rank come as one or two pieces (in the zigzag layout its
+    two chunks), and the documents follow in pack order."""
 
     kind: PackLayout
     docs: tuple[int, ...]                      # document lengths (a sequence is one document)
@@ -222,17 +226,141 @@ def zigzag_layout(cp: int, chunks: tuple[int, ...]) -> Layout:
     return Layout(PackLayout.ZIGZAG, docs, ranks, tuple(chunks))
 
 
+def _pairs(start: int, stop: int) -> int:
+    """Causal (query, key) pairs of a document's rows ``[start, stop)``."""
+    return (stop * (stop + 1) - start * (start + 1)) // 2
+
+
+def _symmetric_fill(cp: int, docs: tuple[int, ...]) -> list[list[tuple[int, int, int]]]:
+    """Ranks filled in turn from both ends of every document at once: a take of ``2x`` rows from a
+    document of length L of which ``2u`` rows are gone is its rows ``[u, u + x)`` and ``[L - u - x,
+    L - u)``, which see ``x (L + 1)`` keys under a causal mask wherever they sit. Each rank takes
+    rows from the longest documents left and the shortest left in the proportion that gives it its
+    share of the work left (a bisection over the rows from the long end). Per rank, its (document,
+    first row, end row) ranges, rows counted in the document."""
+    per = sum(docs) // cp
+    order = sorted(range(len(docs)), key=lambda d: (-docs[d], d))
+    left = list(docs)
+    work_left = sum(_pairs(0, n) for n in docs)
+
+    def take(rows: list, from_long: bool, n: int, taken: Optional[list] = None) -> int:
+        work = 0
+        for d in (order if from_long else reversed(order)):
+            if not n:
+                break
+            t = min(n, rows[d])
+            if t:
+                rows[d] -= t
+                n -= t
+                work += t * (docs[d] + 1) // 2
+                if taken is not None:
+                    taken.append((d, t))
+        return work
+
+    def work_of(a: int) -> int:
+        rows = list(left)
+        return take(rows, True, a) + take(rows, False, per - a)
+
+    ranks = []
+    for r in range(cp):
+        share = work_left / (cp - r)
+        lo, hi = 0, per // 2             # rows from the long end, in pairs: the work grows with them
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if work_of(2 * mid) <= share:
+                lo = mid
+            else:
+                hi = mid - 1
+        a = 2 * lo
+        if a < per and abs(work_of(a + 2) - share) < abs(work_of(a) - share):
+            a += 2
+        taken: list = []
+        gone = {d: docs[d] - left[d] for d in range(len(docs))}
+        work_left -= take(left, True, a, taken) + take(left, False, per - a, taken)
+        mine: dict[int, tuple[int, int]] = {}
+        for d, t in taken:   # a document taken from both ends is one stretch of its takes
+            mine[d] = (mine[d][0], mine[d][1] + t) if d in mine else (gone[d], t)
+        pieces = []
+        for d, (g, t) in mine.items():
+            n, u, x = docs[d], g // 2, t // 2
+            pieces += [(d, u, u + x), (d, n - u - x, n - u)]
+        ranks.append(pieces)
+    return ranks
+
+
+def _two_ended_fill(cp: int, docs: tuple[int, ...], light: float) -> list[list[tuple[int, int, int]]]:
+    """Ranks filled in turn, each document's rows left one range ``[low, high)``: the heavy end
+    takes the top rows of the documents with the highest rows left (a suffix costs its keys up to
+    ``high`` whatever its length), the light end the bottom rows of the documents first in the
+    order ``light`` weighs (``light`` x the first row left + (1 - light) x the rows left), in the
+    proportion that gives the rank its share of the causal work left (a bisection over the rows
+    of the heavy end). Per rank, its (document, first row, end row) ranges."""
+    per, n = sum(docs) // cp, len(docs)
+    low, high = [0] * n, list(docs)
+    work_left = sum(_pairs(0, length) for length in docs)
+    ranks = []
+    for r in range(cp):
+        left = [d for d in range(n) if low[d] < high[d]]
+        heavy_order = sorted(left, key=lambda d: (-high[d], d))
+        light_order = sorted(left, key=lambda d: (light * low[d] + (1 - light) * (high[d] - low[d]), d))
+
+        def take(heavy: int, taken: Optional[list] = None) -> int:
+            """The work of ``heavy`` rows from the heavy end and the rest from the light end (in
+            ``taken``, the ranges)."""
+            work, need, tops = 0, per - heavy, {}
+            for d in heavy_order:
+                if not heavy:
+                    break
+                t = min(heavy, high[d] - low[d])
+                work += _pairs(high[d] - t, high[d])
+                tops[d] = high[d] - t
+                heavy -= t
+            for d in light_order:
+                if not need:
+                    break
+                t = min(need, tops.get(d, high[d]) - low[d])
+                if t:
+                    work += _pairs(low[d], low[d] + t)
+                    need -= t
+                    if taken is not None:
+                        taken.append((d, low[d], low[d] + t))
+            if taken is not None:
+                taken += [(d, top, high[d]) for d, top in tops.items()]
+            return work
+
+        share = work_left / (cp - r)
+        lo, hi = 0, per
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if take(mid) <= share:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo < per and abs(take(lo + 1) - share) < abs(take(lo) - share):
+            lo += 1
+        taken: list = []
+        work_left -= take(lo, taken)
+        for d, x, y in taken:
+            if x == low[d]:
+                low[d] = y
+            else:
+                high[d] = x
+        ranks.append(taken)
+    return ranks
+
+
 @functools.lru_cache(maxsize=64)
 def balanced_layout(cp: int, docs: tuple[int, ...]) -> Layout:
-    """Documents in few long pieces, ``t / cp`` rows and the same causal work on every rank.
+    """Documents in few long pieces, ``t / cp`` rows and the same causal work on every rank, and
+    few keys read (docs/design.md, section 3).
 
-    Every document is taken from both ends at once: a take of ``2x`` rows from a document of
-    length L of which ``2u`` rows are gone is its rows ``[u, u + x)`` and ``[L - u - x, L - u)``,
-    which see ``x (L + 1)`` keys under a causal mask wherever they sit; the cost of a row is its
-    document's length. Ranks are filled in turn with rows from the longest documents left and the
-    shortest left, in the proportion that gives the rank its share of the work left (a bisection
-    over the rows taken from the long end), so a document is cut where ranks change, not into
-    ``2 cp`` chunks. Every document needs an even length and every rank an even share."""
+    A rank's pieces are a few top rows of long documents (heavy) and bottom rows of others
+    (light), in the proportion that gives it its share of the causal work. Under a causal mask a
+    piece ``[x, y)`` of a document reads its first ``y`` keys, and the backward costs a fixed part
+    per key read besides the work, so of several fills (``_two_ended_fill`` in each of
+    ``LIGHT_ORDERS``, and ``_symmetric_fill``) the one kept has the fewest keys read on its busiest
+    rank among those whose work per rank is within ``BALANCE`` of the mean (or as close as the
+    symmetric fill's). Every document needs an even length and every rank an even share."""
     if cp < 1:
         raise ValueError(f"cp_size={cp} must be >= 1")
     if sum(docs) % (2 * cp):
@@ -244,65 +372,29 @@ def balanced_layout(cp: int, docs: tuple[int, ...]) -> Layout:
         raise ValueError(f"document {n} has {length} tokens ({len(odd)} of {len(docs)} documents are odd): the "
                          f"balanced layout takes a document from both ends at once, so every document needs an even "
                          f"length; pad with sinkprof.pad_pack(x, cu_seqlens, 2)")
-    per = sum(docs) // cp
-    order = sorted(range(len(docs)), key=lambda d: (-docs[d], d))
-    left = list(docs)
-    work_left = sum(n * (n + 1) for n in docs)
-
-    def take(rows: list, from_long: bool, n: int, taken: Optional[list] = None) -> int:
-        """Take ``n`` rows from one end of the documents left (``rows``: rows left per document);
-        the work they cost, and each (document, rows) taken in ``taken``."""
-        work = 0
-        for d in (order if from_long else reversed(order)):
-            if not n:
-                break
-            t = min(n, rows[d])
-            if t:
-                rows[d] -= t
-                n -= t
-                work += t * (docs[d] + 1)
-                if taken is not None:
-                    taken.append((d, t))
-        return work
-
-    def work_of(a: int, need: int) -> int:
-        rows = list(left)
-        return take(rows, True, a) + take(rows, False, need - a)
-
-    streams: list[dict[int, tuple[int, int]]] = []    # per rank: document -> (rows gone before, rows taken)
-    for r in range(cp):
-        need, share = per, work_left / (cp - r)
-        lo, hi = 0, need // 2             # rows from the long end, in pairs: the work grows with them
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if work_of(2 * mid, need) <= share:
-                lo = mid
-            else:
-                hi = mid - 1
-        a = 2 * lo
-        if a < need and abs(work_of(a + 2, need) - share) < abs(work_of(a, need) - share):
-            a += 2
-        taken: list = []
-        gone = {d: docs[d] - left[d] for d in range(len(docs))}
-        work_left -= take(left, True, a, taken) + take(left, False, need - a, taken)
-        mine: dict[int, tuple[int, int]] = {}
-        for d, t in taken:   # a document taken from both ends is one stretch of its takes
-            mine[d] = (mine[d][0], mine[d][1] + t) if d in mine else (gone[d], t)
-        streams.append(mine)
+    mean = sum(_pairs(0, n) for n in docs) / cp
+    fills = []
+    for ranks in [_symmetric_fill(cp, docs), *(_two_ended_fill(cp, docs, w) for w in LIGHT_ORDERS)]:
+        ranks = [_merged(r) for r in ranks]
+        excess = max(sum(_pairs(x, y) for _, x, y in r) for r in ranks) / mean - 1 if mean else 0.0
+        keys = max(sum(y for _, _, y in r) for r in ranks)
+        fills.append((excess, keys, ranks))
+    enough = max(BALANCE, fills[0][0])   # the symmetric fill's work is always within a row pair of the share
+    _, _, best = min((f for f in fills if f[0] <= enough), key=lambda f: (f[1], f[0]))
     starts = tuple(itertools.accumulate(docs, initial=0))
-    ranks = []
-    for mine in streams:
-        pieces = []
-        for d in sorted(mine):
-            gone, t = mine[d]
-            n, u, x = docs[d], gone // 2, t // 2
-            at = starts[d]
-            if u + x == n - u - x:   # the middle of the document: one piece
-                pieces.append(Piece(d, at + u, at + n - u))
-            else:
-                pieces += [Piece(d, at + u, at + u + x), Piece(d, at + n - u - x, at + n - u)]
-        ranks.append(tuple(pieces))
-    return Layout(PackLayout.BALANCED, tuple(docs), tuple(ranks))
+    ranks = tuple(tuple(Piece(d, starts[d] + x, starts[d] + y) for d, x, y in r) for r in best)
+    return Layout(PackLayout.BALANCED, tuple(docs), ranks)
+
+
+def _merged(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(document, first row, end row) ranges in pack order, empty ones dropped, touching ones joined."""
+    out: list[tuple[int, int, int]] = []
+    for d, x, y in sorted(r for r in ranges if r[1] < r[2]):
+        if out and out[-1][0] == d and out[-1][2] == x:
+            out[-1] = (d, out[-1][1], y)
+        else:
+            out.append((d, x, y))
+    return out
 
 
 def as_layout(cp: int, chunk) -> Layout:
