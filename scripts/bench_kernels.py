@@ -543,10 +543,14 @@ def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names
         rate = p.flops * (BWD_FLOPS if name.endswith("bwd") else 1) / r["ms"] / 1e9
         print(f"{name}: {r['ms']:.3f} ms, {rate:.1f} TFLOP/s ({timing})")
     cu = [0, *itertools.accumulate(docs)]
-    rows = []
+    rows, keys_read = [], {}
     for layout in layouts:
         laid = p.laid_out(layout)
         balanced = layout is PackLayout.BALANCED
+        lay = laid.schedule.layout   # a causal piece reads its document's keys up to its last row
+        keys_read[layout.value] = [sum(q.stop - lay.starts[q.doc] for q in lay.ranks[r]) for r in range(cp)]
+        print(f"{layout.value} layout: keys read per rank (causal, allgather) {keys_read[layout.value]}, "
+              f"pieces {[len(lay.ranks[r]) for r in range(cp)]}")
         for kind in ((KVSchedule.ALLGATHER,) if balanced else kinds):
             schedule = CommSchedule(kind, cp, laid.schedule.layout, laid.schedule.band)
             ranks = range(cp) if balanced else sorted({0, cp // 2, cp - 1})
@@ -554,7 +558,7 @@ def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names
                                  profile=f"pack cp={cp} {layout.value} {kind.value}" if profile else None,
                                  cu_seqlens=cu)
     return {"cp": cp, "shape": dict(t=sum(docs), h=h, g=g, d=d), "docs": list(docs), "mask": PACK_MASK,
-            "flops": p.flops, "fa4_varlen_ms": mono_ms, "fa4_varlen_timing": timing,
+            "flops": p.flops, "fa4_varlen_ms": mono_ms, "fa4_varlen_timing": timing, "keys_read": keys_read,
             "rows": with_rates(rows, p.flops, mono_ms, mono="fa4 varlen")}
 
 
