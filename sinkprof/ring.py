@@ -137,7 +137,8 @@ class LocalKV:
 class LocalDKV:
     """dK/dV added into their owner's accumulators (one per rank, or one shared): in place when
     the step holds the owner's whole shard, else through the step's own rows (a gathered step's:
-    every owner's rows it read)."""
+    every owner's rows it read), which its tiles write without zeroing them where they read every
+    row once (``Step.kv_cover``)."""
 
     def __init__(self, dks, dvs, schedule: CommSchedule):
         self.dks, self.dvs, self.schedule = dks, dvs, schedule
@@ -153,9 +154,9 @@ class LocalDKV:
         if _whole(step, dk.shape[2]) and not step.gathered:
             self.part = None
             return dk, dv, False
-        n = step.held_rows
-        self.part = tuple(x.new_zeros((*x.shape[:2], n, x.shape[3])) for x in (dk, dv))
-        return (*self.part, False)
+        shape = (*dk.shape[:2], step.held_rows, dk.shape[3])   # written where its tiles read every row once
+        self.part = tuple((x.new_empty if step.kv_cover else x.new_zeros)(shape) for x in (dk, dv))
+        return (*self.part, step.kv_cover)
 
     def finish(self, step: Step) -> None:
         """Rows held apart go home; the whole shard already is the owner's."""
