@@ -7,7 +7,7 @@
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
-# layout8 layout8t
+# layout8 layout8b layout8t
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -239,6 +239,10 @@ if [[ $what == *" layout8 "* ]]; then   # <= 360 s: the balanced layout from two
       --seqlens 2048,512,1536,1022,6,3068 --pack-layout balanced --softmax all --mask all --dtype bf16,fp16 \
       --sink-strategy all --heads 8 --kv-heads 2 --head-dim 64 --format json --output "$OUT/check_thd_balanced8.json"
 fi
-if [[ $what == *" layout8t "* ]]; then   # <= 230 s: the GPU tests of the balanced layout and of packs under allgather
-  run gpu_tests_layout8 220 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "pack_under_allgather or balanced"
+if [[ $what == *" layout8b "* ]]; then   # <= 100 s: the bench again after LocalDKV writes a covered step's dK/dV
+  run pack_layout8b 100 python3 scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 \
+      --ring-backends fa4,fa4+comm --kv-schedules allgather --pack-layouts balanced --out "$OUT/pack_layout8b.json"
+fi
+if [[ $what == *" layout8t "* ]]; then   # <= 340 s: the GPU tests of packs, allgather (the balanced layout's) and graphs
+  run gpu_tests_layout8 340 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "pack or allgather or cuda_graph"
 fi
