@@ -6,7 +6,8 @@ import torch
 
 from sinkprof.emulate import emulate_ring
 from sinkprof.kernels import TorchTiles, get_kernel
-from sinkprof.options import Band, SinkStrategy, make_spec
+from sinkprof.options import Band, KVSchedule, SinkStrategy, make_spec
+from sinkprof.plan import ring_plan, spec_layout
 from sinkprof.testing import Shape, compare, make_inputs, reference, tolerance_for
 
 pytestmark = [pytest.mark.gpu,
@@ -431,11 +432,18 @@ def test_a_pack_under_allgather_on_fa4_is_two_varlen_calls_and_matches_the_refer
         got = emulate_ring(x, spec, cp, strategy, kernel=fa4_kernel, kv_schedule="allgather").result
         for name, want in ref.named().items():
             assert compare(got.named()[name], want, tol).passed, (strategy, name)
-    if window is None:   # one varlen index per group: two per rank under causal; without a mask one group,
-        # every document's rows against its whole keys, the same on every rank (the forward's indexes span
-        # the whole sequence; the backward's span the keys the group reads, the same ones without a mask)
-        forward = [key for key in fa4_kernel._varlen if key[3] == sum(docs)]
-        assert len(forward) == (2 * cp if mask == "causal" else 1)
+    if window is None:   # each rank's groups (two under causal, one without a mask) went to FA4 as one varlen
+        # call each: the forward's index of a group is its tiles' rows against the rows the rank holds (the
+        # keys it reads); the backward's span the keys the group reads
+        forward = set()
+        for rank in range(cp):
+            step, = ring_plan(cp, rank, spec_layout(spec, sum(docs), cp), spec.band, KVSchedule.ALLGATHER).steps
+            assert len(step.groups) == (2 if mask == "causal" else 1)
+            for group in step.groups:
+                tiles = [step.tiles[t] for t in group]
+                forward.add((tuple((t.q_rows.start, t.q_rows.stop) for t in tiles),
+                             tuple((t.kv_rows.start, t.kv_rows.stop) for t in tiles), sum(docs) // cp, step.held_rows))
+        assert forward <= set(fa4_kernel._varlen)
         assert len(fa4_kernel._varlen) <= 2 * len(forward)
 
 
