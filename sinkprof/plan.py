@@ -30,6 +30,7 @@ pass merges the buffers into the rows' result, folding the sink in under post-me
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -44,8 +45,9 @@ from .options import BALANCED_RUNS, AttnSpec, Band, KVSchedule, PackLayout, doc_
 PARTS = 8   # later tiles' results waiting for their merge at most: the forward's memory is PARTS x the rank's o
 BALANCE = 1e-3   # the balanced layout's work per rank: within this fraction of the mean where it can be
 # The orders the light end of a two-ended fill takes documents in (lower first): by the first row
-# left (the lightest rows), by the rows left (whole short documents), and mixes of the two.
-LIGHT_ORDERS = (1.0, 0.75, 0.5, 0.0)
+# left (the lightest rows), and two mixes of that and the rows left (whole short documents first).
+LIGHT_ORDERS = (1.0, 0.75, 0.5)
+KEYS_SLACK = 1 / 16   # two-ended fills run where a rank of the symmetric one reads more keys than its rows by more
 
 
 @dataclass(frozen=True)
@@ -231,38 +233,40 @@ def _pairs(start: int, stop: int) -> int:
     return (stop * (stop + 1) - start * (start + 1)) // 2
 
 
-def _symmetric_fill(cp: int, docs: tuple[int, ...]) -> list[list[tuple[int, int, int]]]:
+Ranges = list[tuple[int, int, int]]   # (document, first row, end row), rows counted in the document
+
+
+def _symmetric_fill(cp: int, docs: tuple[int, ...]) -> list[Ranges]:
     """Ranks filled in turn from both ends of every document at once: a take of ``2x`` rows from a
     document of length L of which ``2u`` rows are gone is its rows ``[u, u + x)`` and ``[L - u - x,
-    L - u)``, which see ``x (L + 1)`` keys under a causal mask wherever they sit. Each rank takes
-    rows from the longest documents left and the shortest left in the proportion that gives it its
-    share of the work left (a bisection over the rows from the long end). Per rank, its (document,
-    first row, end row) ranges, rows counted in the document."""
+    L - u)``, which cost ``x (L + 1)`` causal pairs wherever they sit. Each rank takes rows from the
+    longest documents left and the shortest left in the proportion that gives it its share of the
+    work left (a bisection over the rows from the long end). Per rank, its ranges."""
     per = sum(docs) // cp
     order = sorted(range(len(docs)), key=lambda d: (-docs[d], d))
     left = list(docs)
     work_left = sum(_pairs(0, n) for n in docs)
-
-    def take(rows: list, from_long: bool, n: int, taken: Optional[list] = None) -> int:
-        work = 0
-        for d in (order if from_long else reversed(order)):
-            if not n:
-                break
-            t = min(n, rows[d])
-            if t:
-                rows[d] -= t
-                n -= t
-                work += t * (docs[d] + 1) // 2
-                if taken is not None:
-                    taken.append((d, t))
-        return work
-
-    def work_of(a: int) -> int:
-        rows = list(left)
-        return take(rows, True, a) + take(rows, False, per - a)
-
     ranks = []
     for r in range(cp):
+        live = [d for d in order if left[d]]   # longest first
+
+        def take(used: dict, from_long: bool, n: int) -> int:
+            """The work of ``n`` rows from one end of ``live``; ``used``: rows taken per document."""
+            work = 0
+            for d in (live if from_long else reversed(live)):
+                if not n:
+                    break
+                t = min(n, left[d] - used.get(d, 0))
+                if t:
+                    used[d] = used.get(d, 0) + t
+                    n -= t
+                    work += t * (docs[d] + 1) // 2
+            return work
+
+        def work_of(a: int) -> int:
+            used: dict = {}
+            return take(used, True, a) + take(used, False, per - a)
+
         share = work_left / (cp - r)
         lo, hi = 0, per // 2             # rows from the long end, in pairs: the work grows with them
         while lo < hi:
@@ -274,39 +278,40 @@ def _symmetric_fill(cp: int, docs: tuple[int, ...]) -> list[list[tuple[int, int,
         a = 2 * lo
         if a < per and abs(work_of(a + 2) - share) < abs(work_of(a) - share):
             a += 2
-        taken: list = []
-        gone = {d: docs[d] - left[d] for d in range(len(docs))}
-        work_left -= take(left, True, a, taken) + take(left, False, per - a, taken)
-        mine: dict[int, tuple[int, int]] = {}
-        for d, t in taken:   # a document taken from both ends is one stretch of its takes
-            mine[d] = (mine[d][0], mine[d][1] + t) if d in mine else (gone[d], t)
+        used: dict = {}
+        work_left -= take(used, True, a) + take(used, False, per - a)
         pieces = []
-        for d, (g, t) in mine.items():
-            n, u, x = docs[d], g // 2, t // 2
+        for d, t in used.items():   # a document taken from both ends is one stretch of its takes
+            n, u, x = docs[d], (docs[d] - left[d]) // 2, t // 2
             pieces += [(d, u, u + x), (d, n - u - x, n - u)]
+            left[d] -= t
         ranks.append(pieces)
     return ranks
 
 
-def _two_ended_fill(cp: int, docs: tuple[int, ...], light: float) -> list[list[tuple[int, int, int]]]:
+def _two_ended_fill(cp: int, docs: tuple[int, ...], light: float) -> list[Ranges]:
     """Ranks filled in turn, each document's rows left one range ``[low, high)``: the heavy end
-    takes the top rows of the documents with the highest rows left (a suffix costs its keys up to
-    ``high`` whatever its length), the light end the bottom rows of the documents first in the
+    takes the top rows of the documents with the highest rows left (a top piece reads the keys up
+    to ``high`` whatever its length), the light end the bottom rows of the documents first in the
     order ``light`` weighs (``light`` x the first row left + (1 - light) x the rows left), in the
     proportion that gives the rank its share of the causal work left (a bisection over the rows
-    of the heavy end). Per rank, its (document, first row, end row) ranges."""
+    of the heavy end). Per rank, its ranges."""
     per, n = sum(docs) // cp, len(docs)
     low, high = [0] * n, list(docs)
     work_left = sum(_pairs(0, length) for length in docs)
     ranks = []
     for r in range(cp):
-        left = [d for d in range(n) if low[d] < high[d]]
-        heavy_order = sorted(left, key=lambda d: (-high[d], d))
-        light_order = sorted(left, key=lambda d: (light * low[d] + (1 - light) * (high[d] - low[d]), d))
+        live = [d for d in range(n) if low[d] < high[d]]
+        heavy_order = sorted(live, key=lambda d: (-high[d], d))
+        light_order = sorted(live, key=lambda d: (light * low[d] + (1 - light) * (high[d] - low[d]), d))
+        at = {d: i for i, d in enumerate(light_order)}
+        # running totals along the light order: rows, and their work taken whole
+        rows = list(itertools.accumulate((high[d] - low[d] for d in light_order), initial=0))
+        whole = list(itertools.accumulate((_pairs(low[d], high[d]) for d in light_order), initial=0))
 
-        def take(heavy: int, taken: Optional[list] = None) -> int:
+        def take(heavy: int, taken: Optional[Ranges] = None) -> int:
             """The work of ``heavy`` rows from the heavy end and the rest from the light end (in
-            ``taken``, the ranges)."""
+            ``taken``, the ranges: the light end's first)."""
             work, need, tops = 0, per - heavy, {}
             for d in heavy_order:
                 if not heavy:
@@ -315,15 +320,30 @@ def _two_ended_fill(cp: int, docs: tuple[int, ...], light: float) -> list[list[t
                 work += _pairs(high[d] - t, high[d])
                 tops[d] = high[d] - t
                 heavy -= t
-            for d in light_order:
+            # the light end: whole documents along its order, then part of one; the documents
+            # the heavy end cut short (few) split the order into runs taken by their totals
+            i = 0
+            for p, d in sorted((at[d], d) for d in tops) + [(len(light_order), None)]:
+                if rows[p] - rows[i] >= need:   # the light end ends in this run
+                    j = bisect.bisect_right(rows, rows[i] + need, i, p + 1) - 1
+                    work += whole[j] - whole[i]
+                    need -= rows[j] - rows[i]
+                    cut = [(light_order[j], low[light_order[j]], low[light_order[j]] + need)] if need else []
+                    work += _pairs(low[light_order[j]], low[light_order[j]] + need) if need else 0
+                    if taken is not None:
+                        taken += [(e, low[e], high[e]) for e in light_order[i:j]] + cut
+                    need = 0
+                    break
+                work += whole[p] - whole[i]
+                need -= rows[p] - rows[i]
+                t = min(need, tops[d] - low[d])
+                work += _pairs(low[d], low[d] + t)
+                need -= t
+                if taken is not None:
+                    taken += [(e, low[e], high[e]) for e in light_order[i:p]] + ([(d, low[d], low[d] + t)] if t else [])
+                i = p + 1
                 if not need:
                     break
-                t = min(need, tops.get(d, high[d]) - low[d])
-                if t:
-                    work += _pairs(low[d], low[d] + t)
-                    need -= t
-                    if taken is not None:
-                        taken.append((d, low[d], low[d] + t))
             if taken is not None:
                 taken += [(d, top, high[d]) for d, top in tops.items()]
             return work
@@ -338,10 +358,10 @@ def _two_ended_fill(cp: int, docs: tuple[int, ...], light: float) -> list[list[t
                 hi = mid - 1
         if lo < per and abs(take(lo + 1) - share) < abs(take(lo) - share):
             lo += 1
-        taken: list = []
+        taken: Ranges = []
         work_left -= take(lo, taken)
-        for d, x, y in taken:
-            if x == low[d]:
+        for d, x, y in taken:   # the light end's ranges come first: where the two ends meet, the
+            if x == low[d]:     # heavy one's range starts at the light one's end, and the document is done
                 low[d] = y
             else:
                 high[d] = x
@@ -349,18 +369,33 @@ def _two_ended_fill(cp: int, docs: tuple[int, ...], light: float) -> list[list[t
     return ranks
 
 
+@dataclass(frozen=True)
+class _Fill:
+    """A candidate balanced layout: per rank its ranges (merged, in pack order), how far its
+    busiest rank's work is over the mean (a fraction), and the most keys a rank reads."""
+    ranks: tuple
+    excess: float
+    keys: int
+
+    @staticmethod
+    def of(ranks: list[Ranges], mean: float) -> "_Fill":
+        ranks = tuple(tuple(_merged(r)) for r in ranks)
+        work = max(sum(_pairs(x, y) for _, x, y in r) for r in ranks)
+        return _Fill(ranks, work / mean - 1 if mean else 0.0, max(sum(y for _, _, y in r) for r in ranks))
+
+
 @functools.lru_cache(maxsize=64)
 def balanced_layout(cp: int, docs: tuple[int, ...]) -> Layout:
     """Documents in few long pieces, ``t / cp`` rows and the same causal work on every rank, and
     few keys read (docs/design.md, section 3).
 
-    A rank's pieces are a few top rows of long documents (heavy) and bottom rows of others
-    (light), in the proportion that gives it its share of the causal work. Under a causal mask a
-    piece ``[x, y)`` of a document reads its first ``y`` keys, and the backward costs a fixed part
-    per key read besides the work, so of several fills (``_two_ended_fill`` in each of
-    ``LIGHT_ORDERS``, and ``_symmetric_fill``) the one kept has the fewest keys read on its busiest
-    rank among those whose work per rank is within ``BALANCE`` of the mean (or as close as the
-    symmetric fill's). Every document needs an even length and every rank an even share."""
+    Under a causal mask a piece ``[x, y)`` of a document reads its first ``y`` keys, and the
+    backward costs a fixed part per key read besides the work. ``_symmetric_fill``'s work per rank
+    is always close to the share; where its ranks read more keys than they hold rows by over
+    ``KEYS_SLACK`` (long documents), ``_two_ended_fill`` runs too, in each of ``LIGHT_ORDERS``, and
+    the fill kept reads the fewest keys on the rank that reads the most, among those whose busiest
+    rank's work is within ``BALANCE`` of the mean (or as close as the symmetric fill's). Every
+    document needs an even length and every rank an even share (the symmetric takes are pairs)."""
     if cp < 1:
         raise ValueError(f"cp_size={cp} must be >= 1")
     if sum(docs) % (2 * cp):
@@ -370,19 +405,17 @@ def balanced_layout(cp: int, docs: tuple[int, ...]) -> Layout:
     if odd:
         n, length = odd[0]
         raise ValueError(f"document {n} has {length} tokens ({len(odd)} of {len(docs)} documents are odd): the "
-                         f"balanced layout takes a document from both ends at once, so every document needs an even "
+                         f"balanced layout takes documents from both ends at once, so every document needs an even "
                          f"length; pad with sinkprof.pad_pack(x, cu_seqlens, 2)")
-    mean = sum(_pairs(0, n) for n in docs) / cp
-    fills = []
-    for ranks in [_symmetric_fill(cp, docs), *(_two_ended_fill(cp, docs, w) for w in LIGHT_ORDERS)]:
-        ranks = [_merged(r) for r in ranks]
-        excess = max(sum(_pairs(x, y) for _, x, y in r) for r in ranks) / mean - 1 if mean else 0.0
-        keys = max(sum(y for _, _, y in r) for r in ranks)
-        fills.append((excess, keys, ranks))
-    enough = max(BALANCE, fills[0][0])   # the symmetric fill's work is always within a row pair of the share
-    _, _, best = min((f for f in fills if f[0] <= enough), key=lambda f: (f[1], f[0]))
+    mean, per = sum(_pairs(0, n) for n in docs) / cp, sum(docs) // cp
+    symmetric = _Fill.of(_symmetric_fill(cp, docs), mean)
+    fills = [symmetric]
+    if symmetric.keys > per * (1 + KEYS_SLACK):   # else what the other fills could save is small
+        fills += [_Fill.of(_two_ended_fill(cp, docs, light=w), mean) for w in LIGHT_ORDERS]
+    enough = max(BALANCE, symmetric.excess)
+    best = min((f for f in fills if f.excess <= enough), key=lambda f: (f.keys, f.excess))
     starts = tuple(itertools.accumulate(docs, initial=0))
-    ranks = tuple(tuple(Piece(d, starts[d] + x, starts[d] + y) for d, x, y in r) for r in best)
+    ranks = tuple(tuple(Piece(d, starts[d] + x, starts[d] + y) for d, x, y in r) for r in best.ranks)
     return Layout(PackLayout.BALANCED, tuple(docs), ranks)
 
 

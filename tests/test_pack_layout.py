@@ -99,6 +99,18 @@ def test_the_causal_work_is_the_same_on_every_rank_of_long_packs(cp):
         assert sum(len(p) for p in layout.ranks) <= 2 * (2 * cp + len(docs)), layout.ranks
 
 
+def test_short_documents_keep_the_symmetric_fill():
+    """Where no rank of the symmetric fill reads more keys than its rows by over KEYS_SLACK, the
+    two-ended fills are not tried (they could save little, and cost host time per document)."""
+    docs = (4,) * 2048
+    mean = sum(d * (d + 1) / 2 for d in docs) / 8
+    symmetric = plan._Fill.of(plan._symmetric_fill(8, docs), mean)
+    assert symmetric.keys <= 1024 * (1 + plan.KEYS_SLACK)
+    layout = balanced_layout(8, docs)
+    assert [[(p.doc, p.start - layout.starts[p.doc], p.stop - layout.starts[p.doc]) for p in r]
+            for r in layout.ranks] == [list(r) for r in symmetric.ranks]
+
+
 def test_one_document_is_the_zigzag_layout():
     for cp in (1, 2, 3, 8):
         for r in range(cp):
