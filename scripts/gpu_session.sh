@@ -7,7 +7,7 @@
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
-# layout8 layout8b layout8t layout8p
+# layout8 layout8b layout8t layout8p layout8v
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -250,4 +250,10 @@ if [[ $what == *" layout8p "* ]]; then   # <= 220 s: the corrected varlen count,
   run gpu_tests_gather8 90 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "pack_under_allgather"
   run pack_layout8p 130 python3 scripts/bench_kernels.py --skip-tiles --rings "" --packs gpt-oss:8 \
       --ring-backends fa4,fa4+comm --kv-schedules allgather --pack-layouts balanced --profile-step --out "$OUT/pack_layout8p.json"
+fi
+if [[ $what == *" layout8v "* ]]; then   # <= 330 s: the balanced layout's GPU tests and check after the fills' rework
+  run gpu_tests_layout8v 200 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py -k "balanced or pack_under_allgather"
+  run check_thd_balanced8v 120 $SP check --device cuda --backend fa4 --ranks 4 --qkv-format thd \
+      --seqlens 2048,512,1536,1022,6,3068 --pack-layout balanced --softmax all --mask all --dtype bf16 \
+      --sink-strategy all --heads 8 --kv-heads 2 --head-dim 64 --format json --output "$OUT/check_thd_balanced8v.json"
 fi
