@@ -453,7 +453,7 @@ def test_a_pack_under_allgather_on_fa4_is_two_varlen_calls_and_matches_the_refer
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_pack_in_the_balanced_layout_on_fa4_matches_the_reference(fa4_kernel, cp, docs, mask, window,
                                                                     softmax_type, dtype):
-    """Each rank's pieces (heads and middles, then tails) against their documents' keys as FA4
+    """Each rank's pieces (each document's first on the rank, then the second ones) against their documents' keys as FA4
     varlen calls under allgather, the shards cut by ``shard(..., pack_layout="balanced")``."""
     spec = make_spec(softmax_type, mask, window, "thd", [0, *torch.tensor(docs).cumsum(0).tolist()], "balanced")
     x = make_inputs(Shape(1, sum(docs), 8, 2, 64), spec, seed=cp).to("cuda", dtype)
