@@ -552,7 +552,7 @@ def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names
         print(f"{layout.value} layout: keys read per rank (causal, allgather) {keys_read[layout.value]}, "
               f"pieces {[len(lay.ranks[r]) for r in range(cp)]}")
         for kind in ((KVSchedule.ALLGATHER,) if balanced else kinds):
-            schedule = CommSchedule(kind, cp, laid.schedule.layout, laid.schedule.band)
+            schedule = CommSchedule(kind, cp, lay, laid.schedule.band)
             ranks = range(cp) if balanced else sorted({0, cp // 2, cp - 1})
             rows += slowest_rank(names, schedule, ranks, laid.shards, laid.ks, laid.vs, p.sink, PACK_MASK, d,
                                  profile=f"pack cp={cp} {layout.value} {kind.value}" if profile else None,

@@ -99,16 +99,20 @@ def test_the_causal_work_is_the_same_on_every_rank_of_long_packs(cp):
         assert sum(len(p) for p in layout.ranks) <= 2 * (2 * cp + len(docs)), layout.ranks
 
 
-def test_short_documents_keep_the_symmetric_fill():
-    """Where no rank of the symmetric fill reads more keys than its rows by over KEYS_SLACK, the
-    two-ended fills are not tried (they could save little, and cost host time per document)."""
-    docs = (4,) * 2048
-    mean = sum(d * (d + 1) / 2 for d in docs) / 8
-    symmetric = plan._Fill.of(plan._symmetric_fill(8, docs), mean)
-    assert symmetric.keys <= 1024 * (1 + plan.KEYS_SLACK)
-    layout = balanced_layout(8, docs)
-    assert [[(p.doc, p.start - layout.starts[p.doc], p.stop - layout.starts[p.doc]) for p in r]
-            for r in layout.ranks] == [list(r) for r in symmetric.ranks]
+def test_the_two_ended_fills_run_only_where_the_symmetric_one_reads_many_more_keys_than_rows(monkeypatch):
+    """Short documents: no rank of the symmetric fill reads more keys than its rows by over
+    KEYS_SLACK, so the two-ended fills (host time per document) are not tried; long ones: they are."""
+    tried = []
+    real = plan._two_ended_fill
+    monkeypatch.setattr(plan, "_two_ended_fill", lambda *a, **kw: tried.append(kw["light"]) or real(*a, **kw))
+    balanced_layout.cache_clear()
+    short = (4,) * 2048
+    layout = balanced_layout(8, short)
+    assert tried == []
+    assert max(keys_read(layout, r) for r in range(8)) <= 1024 * (1 + plan.KEYS_SLACK)
+    balanced_layout(8, (15872, 15216, 8352, 8928, 2704, 14464))
+    assert tried == list(plan.LIGHT_ORDERS)
+    balanced_layout.cache_clear()
 
 
 def test_one_document_is_the_zigzag_layout():
