@@ -232,7 +232,7 @@ def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, 
     def bwd():
         if kernel.name == "fa4":
             kernel.rows_path = rows_path
-        run_backward(plan, kv_bwd, LocalDKV(dks, dvs, schedule), state=bwd_state, sink=a, bias=None, opts=opts)
+        run_backward(plan, kv_bwd, LocalDKV(dks, dvs, schedule, reader=rank, kv_dtype=ks[0].dtype), state=bwd_state, sink=a, bias=None, opts=opts)
     return RankRing(fwd, bwd, out, dq, dks, dvs)
 
 
@@ -259,6 +259,7 @@ class Loopback:
         self.stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
         self.sources: dict = {}
         self.received: dict = collections.Counter()   # (phase, kind) -> messages received
+        self.received_bytes: dict = collections.Counter()   # (phase, kind) -> bytes received
 
     def exchange(self, send, recv, kind: str, phase: str, step: int) -> _Arrived:
         return self.post([(send, (self.rank + 1) % self.size)], [(recv, (self.rank - 1) % self.size)],
@@ -270,7 +271,8 @@ class Loopback:
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             for n, (t, _) in enumerate(recvs):
                 self.received[(phase, kind)] += 1
-                src = sends[n][0] if n < len(sends) and sends[n][0].shape == t.shape else None
+                self.received_bytes[(phase, kind)] += t.numel() * t.element_size()
+                src = sends[n][0] if n < len(sends) and (sends[n][0].shape, sends[n][0].dtype) == (t.shape, t.dtype) else None
                 if src is None:
                     key = (tuple(t.shape), t.dtype)
                     src = self.sources.setdefault(key, torch.zeros(t.shape, dtype=t.dtype, device=t.device))

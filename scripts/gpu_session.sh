@@ -7,7 +7,7 @@
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
-# layout8 layout8b layout8t layout8p layout8v
+# layout8 layout8b layout8t layout8p layout8v verify9 rings9
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -256,4 +256,22 @@ if [[ $what == *" layout8v "* ]]; then   # <= 330 s: the balanced layout's GPU t
   run check_thd_balanced8v 120 $SP check --device cuda --backend fa4 --ranks 4 --qkv-format thd \
       --seqlens 2048,512,1536,1022,6,3068 --pack-layout balanced --softmax all --mask all --dtype bf16 \
       --sink-strategy all --heads 8 --kv-heads 2 --head-dim 64 --format json --output "$OUT/check_thd_balanced8v.json"
+fi
+if [[ $what == *" verify9 "* ]]; then   # <= 560 s: direct steps' dK/dV kept and sent in K/V's dtype, written by FA4
+  run gpu_tests_verify9 270 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py \
+      -k "fa4_rows or (ring_schedule and fa4) or cuda_graph or pack"
+  run check_direct9_bf16_mha 130 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a+p2p --softmax all \
+      --mask all --kv-schedule direct --dtype bf16 --sink-strategy all --batch 2 --seq-len 4096 --heads 8 --kv-heads 8 \
+      --head-dim 128 --format json --output "$OUT/check_direct9_bf16_mha.json"
+  run check_direct9_fp16_gqa 130 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p --softmax all \
+      --mask all --kv-schedule direct --dtype fp16 --sink-strategy all --qkv-format sbhd --batch 1 --seq-len 4096 \
+      --heads 8 --kv-heads 2 --head-dim 64 --format json --output "$OUT/check_direct9_fp16_gqa.json"
+fi
+if [[ $what == *" rings9 "* ]]; then   # <= 560 s: issue 11's rings at this commit, then at 382095f (build/old)
+  run ring_bench9 330 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,8;gpt-oss:8" \
+      --ring-backends fa4,fa4+comm --out "$OUT/ring_bench9.json"
+  if [[ -d build/old ]]; then
+    run ring_bench9_before 200 python3 build/old/scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,8;gpt-oss:8" \
+        --ring-backends fa4+comm --out "$OUT/ring_bench9_before.json"
+  fi
 fi

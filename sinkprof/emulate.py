@@ -78,7 +78,7 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
     dvs = [torch.zeros(x.shape, dtype=acc, device=dev) for x in vs]
     parts = []
     for r in ranks:
-        dkv = LocalDKV(bhsd(dks), bhsd(dvs), schedule)
+        dkv = LocalDKV(bhsd(dks), bhsd(dvs), schedule, reader=r, kv_dtype=ks[0].dtype)
         state = BackwardState(fmt.to_bhsd(qs[r]), fmt.to_bhsd(outs[r]), fmt.to_bhsd(dos[r]), lses[r],
                               fmt.to_bhsd(dqs[r]))
         parts.append(run_backward(plans[r], LocalKV(bhsd(ks), bhsd(vs), schedule, r, "bwd"), dkv, state=state, sink=sink,

@@ -138,10 +138,12 @@ class LocalDKV:
     """dK/dV added into their owner's accumulators (one per rank, or one shared): in place when
     the step holds the owner's whole shard, else through the step's own rows (a gathered step's:
     every owner's rows it read), which its tiles write without zeroing them where they read every
-    row once (``Step.kv_cover``)."""
+    row once (``Step.kv_cover``), in the dtype ``DirectDKV`` sends them in (``kv_dtype`` where
+    ``CommSchedule.partial_in_kv_dtype``)."""
 
-    def __init__(self, dks, dvs, schedule: CommSchedule):
-        self.dks, self.dvs, self.schedule = dks, dvs, schedule
+    def __init__(self, dks, dvs, schedule: CommSchedule, *, reader: int, kv_dtype: torch.dtype):
+        """``reader``: the rank whose steps run (``Step.held`` is what that rank holds)."""
+        self.dks, self.dvs, self.schedule, self.reader, self.kv_dtype = dks, dvs, schedule, reader, kv_dtype
         self.part = None
 
     def _home(self, owner: int):
@@ -155,7 +157,8 @@ class LocalDKV:
             self.part = None
             return dk, dv, False
         shape = (*dk.shape[:2], step.held_rows, dk.shape[3])   # written where its tiles read every row once
-        self.part = tuple((x.new_empty if step.kv_cover else x.new_zeros)(shape) for x in (dk, dv))
+        dtype = self.kv_dtype if self.schedule.partial_in_kv_dtype(self.reader, step.index) else dk.dtype
+        self.part = tuple((x.new_empty if step.kv_cover else x.new_zeros)(shape, dtype=dtype) for x in (dk, dv))
         return (*self.part, step.kv_cover)
 
     def finish(self, step: Step) -> None:
@@ -171,7 +174,7 @@ class LocalDKV:
             return
         index = _held_index(step, self.part[0].device)
         for home, part in zip(self._home(step.kv_rank), self.part):
-            home.index_add_(2, index, part)
+            home.index_add_(2, index, part.to(home.dtype))
 
 
 class BiasTiles:
@@ -316,9 +319,10 @@ def _backward_tiles(step: Step, *, k, v, dk, dv, write: bool, rows, sink, bias, 
             tiles = [step.tiles[t] for t in group]
             cols = tuple(t.kv_rows for t in tiles)
             grads = rows.group(tuple(t.q_rows for t in tiles), k, v, cols, tuple(t.band for t in tiles),
-                               tile_sink(first, sink, strategy), first=first.sink)
-            add_rows_(dk, grads.dk, cols, write=write)
-            add_rows_(dv, grads.dv, cols, write=write)
+                               tile_sink(first, sink, strategy), first=first.sink, dkv=(dk, dv) if write else None)
+            if grads.dk is not None:
+                add_rows_(dk, grads.dk, cols, write=write)
+                add_rows_(dv, grads.dv, cols, write=write)
             if grads.d_sink is not None:
                 d_sink += grads.d_sink
             continue
@@ -326,11 +330,12 @@ def _backward_tiles(step: Step, *, k, v, dk, dv, write: bool, rows, sink, bias, 
             tile = step.tiles[t]
             cols = tile.kv_rows
             grads = rows.tile(tile.q_rows, k[:, :, cols], v[:, :, cols], tile.band, tile_sink(tile, sink, strategy),
-                              bias.tile(step, t) if bias else None, first=tile.sink)
-            if write:
+                              bias.tile(step, t) if bias else None, first=tile.sink,
+                              dkv=(dk[:, :, cols], dv[:, :, cols]) if write else None)
+            if grads.dk is not None and write:   # (None: the kernel wrote them into the step's dK/dV)
                 dk[:, :, cols].copy_(grads.dk)
                 dv[:, :, cols].copy_(grads.dv)
-            else:
+            elif grads.dk is not None:
                 dk[:, :, cols] += grads.dk
                 dv[:, :, cols] += grads.dv
             if grads.d_sink is not None:
@@ -540,10 +545,12 @@ class DirectDKV:
     accumulator dtype: step i's part is posted once its tiles are in (with the part this rank's
     reader ``rank + i`` returns), and added at home after step i+1 computed. Step 0's tiles go
     straight into the home accumulator. A step whose tiles write every row once (``Step.kv_cover``:
-    causal and full masks) writes its part (and step 0 the home accumulator) without zeroing it."""
+    causal and full masks) writes its part (and step 0 the home accumulator) without zeroing it,
+    and its part is kept and sent in K/V's dtype (``CommSchedule.partial_in_kv_dtype``): half the
+    bytes of an fp32 part to write, send and add for bf16/fp16."""
 
-    def __init__(self, comm, shape, dtype: torch.dtype, device, fmt, schedule: CommSchedule):
-        self.comm, self.fmt, self.schedule = comm, fmt, schedule
+    def __init__(self, comm, shape, dtype: torch.dtype, device, fmt, schedule: CommSchedule, kv_dtype: torch.dtype):
+        self.comm, self.fmt, self.schedule, self.kv_dtype = comm, fmt, schedule, kv_dtype
         self.acc = torch.empty((2, *shape), dtype=dtype, device=device)
         self.sd = fmt.seq_dim + 1
         largest = schedule.largest()
@@ -553,10 +560,18 @@ class DirectDKV:
         self.arrived = None   # (message, rows of this rank's shard it carries)
 
     def start(self, step: Step):
-        part = self.acc if step.index == 0 else _rows(self.parts[step.index % 2], self.acc, self.sd, step.held_rows)
+        i = step.index
+        part = self.acc if i == 0 else self._part(self.parts[i % 2], self.comm.rank, i, step.held_rows)
         if not step.kv_cover:
             part.zero_()
         return self.fmt.to_bhsd(part[0]), self.fmt.to_bhsd(part[1]), step.kv_cover
+
+    def _part(self, flat: torch.Tensor, reader: int, i: int, rows: int) -> torch.Tensor:
+        """``rows`` rows of ``reader``'s step-``i`` partial in ``flat``, in the dtype it travels in
+        (``CommSchedule.partial_in_kv_dtype``)."""
+        if self.schedule.partial_in_kv_dtype(reader, i):
+            flat = flat.view(self.kv_dtype)   # fits: K/V's dtype is never wider than the accumulator's
+        return _rows(flat, self.acc, self.sd, rows)
 
     def finish(self, step: Step) -> None:
         self._land()
@@ -565,10 +580,10 @@ class DirectDKV:
             return
         owner, reader = (me - i) % cp, (me + i) % cp
         theirs = self.schedule.kv_rows(reader, i)
-        sends = [(_rows(self.parts[i % 2], self.acc, self.sd, step.held_rows), owner)] if step.held else []
+        sends = [(self._part(self.parts[i % 2], me, i, step.held_rows), owner)] if step.held else []
         recvs = []
         if theirs:
-            message = _rows(self.incoming[i % 2], self.acc, self.sd, rows_in(theirs))
+            message = self._part(self.incoming[i % 2], reader, i, rows_in(theirs))
             self.arrived = (message, theirs)
             recvs.append((message, reader))
         if sends or recvs:
@@ -704,7 +719,7 @@ def kv_movers(schedule: CommSchedule, comm, kv: torch.Tensor, fmt, phase: str, a
         source = RingKV(comm, kv, fmt, phase)
         return source if acc is None else (source, RingDKV(comm, shape, acc, kv.device, fmt))
     source = DirectKV(comm, kv, fmt, phase, schedule)
-    return source if acc is None else (source, DirectDKV(comm, shape, acc, kv.device, fmt, schedule))
+    return source if acc is None else (source, DirectDKV(comm, shape, acc, kv.device, fmt, schedule, kv.dtype))
 
 
 def schedule_for(opts: CPOptions, comm, k: torch.Tensor) -> CommSchedule:

@@ -8,7 +8,10 @@ rank receives for each step, and so which bytes move, per (phase, step, kind, pe
   backward step (the last one carries each shard's gradient home).
 - ``direct``: the owner of a shard sends each reader exactly the rows its tiles read at that step
   (``Step.held``), and the reader returns those rows' dK/dV partial to the owner after computing
-  it; a step that reads nothing moves nothing.
+  it; a step that reads nothing moves nothing. A partial that one tile per row wrote
+  (``Step.kv_cover``) travels in K/V's dtype, which the GPU kernels round a tile's dK/dV to, and
+  is summed at home in the accumulator dtype (``partial_in_kv_dtype``); any other partial
+  travels in the accumulator dtype.
 - ``allgather``: before the one step (``plan.gather_plan``) every rank sends each other rank the
   rows of its shard that rank's tiles read (``Step.held``, sequence rows), in the forward and
   again in the backward, and returns each owner the dK/dV it computed of those rows (a
@@ -113,7 +116,9 @@ class CommSchedule:
 
     def transfers(self, rank: int, kv_row_bytes: int, dkv_row_bytes: int) -> list[Transfer]:
         """Every (phase, step, kind, peer) of ``rank``'s K/V and dK/dV messages; ``kv_row_bytes``
-        is one row of K and V together, ``dkv_row_bytes`` one row of dK and dV (accumulator dtype)."""
+        is one row of K and V together, ``dkv_row_bytes`` one row of dK and dV in the accumulator
+        dtype (a ``direct`` step's partial written once per row travels in K/V's dtype:
+        ``kv_row_bytes``)."""
         cp, out = self.cp, {}
 
         def add(phase, step, kind, peer, sent_rows, received_rows, row_bytes):
@@ -151,9 +156,18 @@ class CommSchedule:
                 for phase in ("fwd", "bwd"):  # posted as step i-1 starts
                     add(phase, i - 1, "kv", reader, theirs, 0, kv_row_bytes)
                     add(phase, i - 1, "kv", owner, 0, mine, kv_row_bytes)
-                add("bwd", i, "dkv", owner, mine, 0, dkv_row_bytes)
-                add("bwd", i, "dkv", reader, 0, theirs, dkv_row_bytes)
+                for peer, reading, sent, received in ((owner, rank, mine, 0), (reader, reader, 0, theirs)):
+                    row = kv_row_bytes if self.partial_in_kv_dtype(reading, i) else dkv_row_bytes
+                    add("bwd", i, "dkv", peer, sent, received, row)
         return [Transfer(rank, *key, b_s, b_r, m_s, m_r) for key, (m_s, b_s, m_r, b_r) in sorted(out.items())]
+
+    def partial_in_kv_dtype(self, reader: int, step: int) -> bool:
+        """Whether the dK/dV partial of ``reader``'s ``step`` (after step 0, under ``direct``) is
+        kept and sent in K/V's dtype rather than the accumulator's: when one tile per row wrote it
+        (``Step.kv_cover``). The GPU kernels round a tile's dK/dV to that dtype themselves, so
+        nothing is lost; the torch tiles' fp32 partials are rounded once more (half precision only:
+        for fp32 and fp64 K/V the two dtypes are one)."""
+        return self.kind is KVSchedule.DIRECT and step > 0 and self.plans[reader].steps[step].kv_cover
 
     def total_bytes(self, kv_row_bytes: int, dkv_row_bytes: int) -> int:
         """Bytes sent by all ranks together, forward and backward."""

@@ -80,7 +80,8 @@ def test_bench_direct_schedule_rows_carry_the_planned_bytes(cli, tmp_path):
     assert got == want
     kv_row = 2 * 2 * 2 * 16 * 2                         # K and V rows of b=2, g=2, d=16 in bf16
     assert got[(1, "fwd", 0, "kv")] == 3 * kv_row        # rank 1 sends its halo of 3 rows to rank 2 ...
-    assert got[(1, "bwd", 2, "dkv")] == 3 * 2 * kv_row   # ... and returns rank 2's halo gradient in fp32
+    assert got[(1, "bwd", 2, "dkv")] == 3 * kv_row       # ... and returns rank 2's halo gradient, in bf16:
+    # one tile per row wrote it (fp32 would be twice the bytes)
 
 
 def test_a_crash_mid_run_keeps_the_rows_already_measured(cli, tmp_path):

@@ -2,6 +2,7 @@
 command line, the pack's plans and shards (the ring it times computes the pack's attention), the
 slowest-rank bookkeeping, and the FA4 varlen call's arguments against FA4's own checks (the GPU
 timings themselves run only on the H200)."""
+import collections
 import importlib.util
 import itertools
 import sys
@@ -181,9 +182,12 @@ def test_the_fa4_varlen_call_passes_what_fa4s_interface_asserts(bk, monkeypatch)
 @pytest.mark.parametrize("cp,mask", [(2, "causal"), (4, "causal"), (4, "no_mask")])
 @pytest.mark.parametrize("kind", ["ring", "direct", "allgather"])
 @pytest.mark.parametrize("docs", [None, (32, 64, 32)], ids=["sequence", "pack"])
-def test_the_loopback_ring_runs_the_rings_own_exchanges(bk, cp, mask, kind, docs):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loopback_ring_runs_the_rings_own_exchanges(bk, cp, mask, kind, docs, dtype):
     """``--ring-backends BACKEND+comm`` times ``P2PAttention`` over ``Loopback``: every message
-    the plan of the K/V schedule sends reaches it, for a sequence and for a pack."""
+    the plan of the K/V schedule sends reaches it, for a sequence and for a pack, with the bytes
+    the schedule counts (in bf16, direct's dK/dV partials written once per row travel in bf16,
+    the others in fp32)."""
     from sinkprof.options import KVSchedule, SinkStrategy, SoftmaxType
     from sinkprof.schedule import CommSchedule, comm_bytes
     from sinkprof.sink import sink_logits
@@ -193,8 +197,8 @@ def test_the_loopback_ring_runs_the_rings_own_exchanges(bk, cp, mask, kind, docs
     spec = bk._spec("learnable", mask, cu)
     schedule = CommSchedule(KVSchedule.parse(kind, "kind"), cp, spec.chunks(s, cp), spec.band)
     gen = torch.Generator().manual_seed(cp)
-    q, do = (torch.randn(b, s, h, d, generator=gen) for _ in range(2))
-    k, v = (torch.randn(b, s, g, d, generator=gen) for _ in range(2))
+    q, do = (torch.randn(b, s, h, d, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, s, g, d, generator=gen).to(dtype) for _ in range(2))
     sink = sink_logits(SoftmaxType.LEARNABLE, torch.randn(1, h, 1, 1, generator=gen) * 5, h, "cpu")
     for rank in (0, cp - 1):
         parts = [bk.shard(x, cp, rank, 1, cu) for x in (q, k, v, do)]
@@ -202,10 +206,15 @@ def test_the_loopback_ring_runs_the_rings_own_exchanges(bk, cp, mask, kind, docs
                                  SinkStrategy.STEP0, mask, d, cu)
         ring.fwd()
         ring.bwd()
-        planned = {}
+        planned, planned_bytes = collections.Counter(), collections.Counter()
         for t in comm_bytes(s=s, b=b, h=h, g=g, d=d, dtype=q.dtype, cp=cp, mask=mask, kv_schedule=kind,
                             cu_seqlens=cu):
             if t.rank == rank:
-                planned[(t.phase, t.kind)] = planned.get((t.phase, t.kind), 0) + t.messages_received
-        assert dict(ring.comm.received) == planned
+                planned[(t.phase, t.kind)] += t.messages_received
+                planned_bytes[(t.phase, t.kind)] += t.received
+        assert dict(ring.comm.received) == dict(planned)
+        assert dict(ring.comm.received_bytes) == dict(planned_bytes)
         assert planned[("bwd", "dkv")] >= cp - 1
+        if kind == "direct" and dtype is torch.bfloat16 and docs is None:   # the partials come in bf16
+            shard = 2 * g * d * s // cp   # elements of a shard's K and V
+            assert planned_bytes[("bwd", "dkv")] <= 2 * shard * (cp - 1)

@@ -395,6 +395,42 @@ def test_fa4_rows_backward_matches_the_per_tile_backward_and_the_reference(fa4_k
         assert compare(got[True][name], got[False][name], tol).passed, name
 
 
+@pytest.mark.parametrize("h,g,d", [(8, 8, 128), (8, 2, 64)], ids=["mha-d128", "gqa-d64"])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_fa4_rows_backward_writes_a_tiles_dkv_into_the_views_given_and_nowhere_else(fa4_kernel, h, g, d, layout):
+    """A tile given ``dkv`` (bf16 views of a larger part, as a direct step's) has FA4 write its dK/dV
+    there: the same values as through the scratch, the part's other rows untouched."""
+    from sinkprof.kernels import fa4_rows
+    from sinkprof.kernels.base import BackwardState
+    from sinkprof.options import QKVFormat
+    b, n, n_kv, around = 2, 512, 384, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+    q, out, do = rand(b, h, n, d), rand(b, h, n, d), rand(b, h, n, d)
+    lse = torch.randn(b, h, n, generator=gen, device="cuda") + 8
+    state = BackwardState(q, out, do, lse, torch.empty_like(q))
+    k, v = rand(b, g, n_kv, d), rand(b, g, n_kv, d)
+    fmt = QKVFormat.parse(layout, "layout")
+    rows = 2 * around + n_kv   # the part: n_kv rows between sentinel rows
+    shape = (b, rows, g, d) if layout == "bshd" else (rows, b, g, d)
+    storage = [torch.full(shape, 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    dkv = tuple(fmt.to_bhsd(x)[:, :, around:around + n_kv] for x in storage)
+    plan_tiles = ring_plan(2, 1, 256, Band()).backward_steps[1].tiles
+    rows_bwd = fa4_kernel.rows_backward(state, scale=d ** -0.5, tiles=plan_tiles, biased=False)
+    assert isinstance(rows_bwd, fa4_rows.FA4RowsBackward)
+    want = rows_bwd.tile(slice(0, n), k, v, Band(), None, None, first=True)
+    want = (want.dk.clone(), want.dv.clone())    # views of the scratch
+    got = rows_bwd.tile(slice(0, n), k, v, Band(), None, None, first=False, dkv=dkv)
+    assert got.dk is None and got.dv is None
+    for x, y in zip(dkv, want):
+        torch.testing.assert_close(x, y.to(x.dtype), rtol=0, atol=0)
+    for x in storage:
+        x = fmt.to_bhsd(x)
+        assert (x[:, :, :around] == 7).all() and (x[:, :, around + n_kv:] == 7).all()
+
+
 # -- thd packs on FA4: a step's documents as one varlen call ---------------------------------------
 
 @pytest.mark.parametrize("cp,docs", [(2, [512, 1536, 2048]), (4, [256, 2048, 768, 1024])])

@@ -33,8 +33,10 @@ def read_rows(cp: int, band: Band, reader: int, owner: int) -> int:
     return int(seen.any(0).sum())
 
 
-def expected_direct(cp, band, rank, kv_row, dkv_row):
-    """(phase, step, kind, peer) -> (messages sent, bytes sent, messages received, bytes received)."""
+def expected_direct(cp, band, rank, kv_row, dkv_row, cover):
+    """(phase, step, kind, peer) -> (messages sent, bytes sent, messages received, bytes received);
+    ``cover(reader, i)``: the reader's step-i dK/dV partial was written once per row, so it travels
+    in K/V's dtype (``kv_row`` bytes a row)."""
     out = {}
 
     def add(key, sent, received):
@@ -50,9 +52,9 @@ def expected_direct(cp, band, rank, kv_row, dkv_row):
             if mine:
                 add((phase, i - 1, "kv", owner), 0, mine * kv_row)
         if mine:
-            add(("bwd", i, "dkv", owner), mine * dkv_row, 0)
+            add(("bwd", i, "dkv", owner), mine * (kv_row if cover(rank, i) else dkv_row), 0)
         if theirs:
-            add(("bwd", i, "dkv", reader), 0, theirs * dkv_row)
+            add(("bwd", i, "dkv", reader), 0, theirs * (kv_row if cover(reader, i) else dkv_row))
     return out
 
 
@@ -63,7 +65,25 @@ def test_direct_bytes_per_step_and_peer_are_the_rows_the_mask_reads(cp, name, ba
     schedule = CommSchedule(KVSchedule.DIRECT, cp, C, band)
     for rank in range(cp):
         got = {t.key: t.counts for t in schedule.transfers(rank, kv_row, dkv_row)}
-        assert got == expected_direct(cp, band, rank, kv_row, dkv_row), (name, rank)
+        cover = lambda reader, i: schedule.plans[reader].steps[i].kv_cover   # noqa: E731
+        assert got == expected_direct(cp, band, rank, kv_row, dkv_row, cover), (name, rank)
+
+
+@pytest.mark.parametrize("kind", [KVSchedule.DIRECT, KVSchedule.RING, KVSchedule.ALLGATHER])
+@pytest.mark.parametrize("name,band", BANDS, ids=[n for n, _ in BANDS])
+def test_partials_travel_in_kv_dtype_only_when_one_tile_per_row_wrote_them_under_direct(kind, name, band):
+    """Direct steps after step 0 whose tiles write each K/V row once send dK/dV in K/V's dtype;
+    every other partial (and every ring or allgather one, which is summed on the way) in the
+    accumulator dtype."""
+    cp = 4
+    schedule = CommSchedule(kind, cp, C, band)
+    for r in range(cp):
+        for step in schedule.plans[r].steps:
+            want = kind is KVSchedule.DIRECT and step.index > 0 and step.kv_cover
+            assert schedule.partial_in_kv_dtype(r, step.index) is want, (name, r, step.index)
+    if kind is KVSchedule.DIRECT and name in ("causal", "no_mask"):   # these steps read each row once
+        assert all(schedule.partial_in_kv_dtype(r, i) for r in range(cp) for i in range(1, cp)
+                   if schedule.plans[r].steps[i].held)
 
 
 @pytest.mark.parametrize("cp", CPS)

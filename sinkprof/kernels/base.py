@@ -27,8 +27,8 @@ from ..sink import fused_for
 @dataclass
 class TileGrads:
     dq: Optional[torch.Tensor]        # [b, h, n_q, d], accumulator dtype; None where a RowsBackward keeps dq
-    dk: torch.Tensor                  # [b, g, n_kv, d]
-    dv: torch.Tensor                  # [b, g, n_kv, d]
+    dk: Optional[torch.Tensor]        # [b, g, n_kv, d]; None where written into the ``dkv`` given
+    dv: Optional[torch.Tensor]        # [b, g, n_kv, d]; as dk
     d_sink: Optional[torch.Tensor]    # [1, h, 1, 1] when the tile carries the sink
     d_bias: Optional[torch.Tensor]    # the bias tile's own shape when a bias is given
 
@@ -76,14 +76,17 @@ class BackwardState:
 
 
 class RowsBackward(Protocol):
-    def tile(self, rows: slice, k, v, band: Band, sink, bias, *, first: bool) -> TileGrads:
+    def tile(self, rows: slice, k, v, band: Band, sink, bias, *, first: bool, dkv=None) -> TileGrads:
         """One tile of rows ``rows`` against ``k``, ``v``: its dK, dV (and sink, bias) gradients;
         its dq goes to the rows' dq (``first``: the rows' first tile, nothing to add to yet), so
-        the returned ``dq`` may be None."""
+        the returned ``dq`` may be None. ``dkv``: ``(dk, dv)`` views the tile's dK/dV are to be
+        written to (nothing else writes those rows); a kernel that writes them there itself
+        returns ``dk = dv = None``."""
 
     def group(self, rows: tuple[slice, ...], k, v, cols: tuple[slice, ...], bands: tuple[Band, ...], sink, *,
-              first: bool) -> TileGrads:
-        """A group of tiles at once (``TileKernel.backward_group``): dK, dV valid on ``cols``."""
+              first: bool, dkv=None) -> TileGrads:
+        """A group of tiles at once (``TileKernel.backward_group``): dK, dV valid on ``cols``, or
+        written into ``dkv`` on ``cols`` (then None) as ``tile`` does."""
 
     def finish(self) -> None:
         """Every tile is in: ``state.dq`` holds the rows' dq."""
@@ -100,7 +103,7 @@ class TileRowsBackward:
         acc = accum_dtype(state.q.dtype)
         self.acc = state.dq if single or state.dq.dtype == acc else torch.empty_like(state.dq, dtype=acc)
 
-    def tile(self, rows: slice, k, v, band: Band, sink, bias, *, first: bool) -> TileGrads:
+    def tile(self, rows: slice, k, v, band: Band, sink, bias, *, first: bool, dkv=None) -> TileGrads:
         s = self.state
         grads = self.kernel.backward(s.q[:, :, rows], k, v, s.out[:, :, rows], s.grad_out[:, :, rows],
                                      s.lse[:, :, rows], band, sink, bias, self.scale)
@@ -111,7 +114,7 @@ class TileRowsBackward:
             dq += grads.dq
         return grads
 
-    def group(self, rows, k, v, cols, bands, sink, *, first: bool) -> TileGrads:
+    def group(self, rows, k, v, cols, bands, sink, *, first: bool, dkv=None) -> TileGrads:
         s = self.state
         if self.single:
             return self.kernel.backward_group(s.q, k, v, s.out, s.grad_out, s.lse, rows, cols, bands, sink, self.scale,

@@ -16,6 +16,9 @@ row) owns a contiguous part of it, and of ``D`` and the base-2 lse. The sink gra
 kernel configuration, so every tile of a rank runs one configuration: FA4's for masked tiles when
 any tile is masked, else its configuration for unmasked ones.
 
+A tile whose dK/dV the ring writes rather than adds (every key row from one tile: a direct step's
+part, kept in q's dtype) has FA4 write them there itself, with no scratch and no copy.
+
 ``FA4Tiles.rows_backward`` takes this path when every tile qualifies (``unqualified``: rows on block
 boundaries, every row and key of the tile visible, no bias, bf16/fp16) and the per-tile path
 otherwise. The main kernel is compiled here as FA4's interface compiles it for sm90 (no varlen, not
@@ -50,6 +53,13 @@ def _round_up(x: int, to: int) -> int:
 
 def _bshd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
+
+
+def _writable(dkv, dtype: torch.dtype) -> bool:
+    """Whether FA4 can write a tile's dK/dV straight into ``dkv`` (``[b, g, n, d]`` views): q's
+    dtype, each row's head dim contiguous, 16-byte aligned as FA4 assumes of its tensors."""
+    return dkv is not None and all(x.dtype == dtype and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+                                   and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1]) for x in dkv)
 
 
 def configuration(interface, tiles, d: int, d_v: int):
@@ -110,9 +120,9 @@ class FA4RowsBackward:
                                 self.cute_dtype, d, d_v, self.block, hdim_multiple_of=self.hdim_multiple_of,
                                 fake_mode=False)
 
-    def _scratch(self, k: torch.Tensor, v: torch.Tensor):
-        """dK/dV outputs (q's dtype, ``[b, n_kv, g, d]``) and, under GQA, FA4's zeroed fp32
-        accumulators for them: views of buffers made at the first tile for the largest tile."""
+    def _scratch(self, k: torch.Tensor, v: torch.Tensor, dkv):
+        """dK/dV outputs (q's dtype, ``[b, n_kv, g, d]``: ``dkv``'s when given, else scratch) and, under GQA, FA4's zeroed fp32 accumulators for them: views of buffers made
+        at the first tile for the largest tile."""
         b, g, n_kv, d = k.shape
         if not self._kv_scratch:
             rows, dev = _round_up(self.kv_rows, self.cfg.n_block_size), k.device
@@ -123,7 +133,10 @@ class FA4RowsBackward:
                     dk_accum=torch.empty(b, g, rows * self.d_rounded, dtype=torch.float32, device=dev),
                     dv_accum=torch.empty(b, g, rows * self.dv_rounded, dtype=torch.float32, device=dev))
         s = self._kv_scratch
-        dk, dv = s["dk"][:, :n_kv], s["dv"][:, :n_kv]
+        if dkv is not None:
+            dk, dv = _bshd(dkv[0]), _bshd(dkv[1])
+        else:
+            dk, dv = s["dk"][:, :n_kv], s["dv"][:, :n_kv]
         if "dk_accum" not in s:
             return dk, dv, None, None
         n_rounded = _round_up(n_kv, self.cfg.n_block_size)
@@ -133,8 +146,9 @@ class FA4RowsBackward:
         dv_accum.zero_()
         return dk, dv, dk_accum, dv_accum
 
-    def tile(self, rows: slice, k, v, band, sink, bias, *, first: bool) -> TileGrads:
+    def tile(self, rows: slice, k, v, band, sink, bias, *, first: bool, dkv=None) -> TileGrads:
         fa4, cfg = self.fa4, self.cfg
+        direct = _writable(dkv, self.dtype)
         n_q, n_kv = rows.stop - rows.start, k.shape[2]
         causal, left, right = self._window(trim_band(band, n_q, n_kv)[2], n_q, n_kv)
         causal, local, left, right = fa4._resolve_causal_local_window(causal, left, right)
@@ -145,7 +159,7 @@ class FA4RowsBackward:
         dq_accum = self.dq_accum[:, :, at * self.d_rounded:(at + q_rounded) * self.d_rounded]
         q, dout = self.q[:, rows], self.dout[:, rows]
         k, v = fa4.maybe_contiguous(_bshd(k)), fa4.maybe_contiguous(_bshd(v))
-        dk, dv, dk_accum, dv_accum = self._scratch(_bshd(k), _bshd(v))
+        dk, dv, dk_accum, dv_accum = self._scratch(_bshd(k), _bshd(v), dkv if direct else None)
         gqa = dk_accum is not None
         args = [q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk, dv_accum if gqa else dv]
         key = ("rows_bwd", str(self.dtype), q.shape[-1], v.shape[-1], q.shape[2] // k.shape[2], causal, local,
@@ -171,17 +185,27 @@ class FA4RowsBackward:
             lse = self.state.lse[:, :, rows]
             d_sink = -(torch.exp(sink.reshape(1, -1, 1).float() - lse) * self.dpsum[:, :, at:rows.stop]).sum((0, 2))
             d_sink = d_sink.reshape(sink.shape).to(sink.dtype)
+        if direct:
+            return TileGrads(None, None, None, d_sink, None)
         return TileGrads(None, _bshd(dk), _bshd(dv), d_sink, None)
 
-    def group(self, rows, k, v, cols, bands, sink, *, first: bool) -> TileGrads:
-        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    def group(self, rows, k, v, cols, bands, sink, *, first: bool, dkv=None) -> TileGrads:
+        """Tile after tile; each tile's dK/dV written into ``dkv`` (when in q's dtype) or into fp32
+        buffers of the group's keys."""
+        direct = _writable(dkv, self.dtype)
+        if direct:
+            dk, dv = dkv
+        else:
+            dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         d_sink = None
         for r, c, band in zip(rows, cols, bands):
-            part = self.tile(r, k[:, :, c], v[:, :, c], band, sink, None, first=first)
-            dk[:, :, c], dv[:, :, c] = part.dk, part.dv
+            part = self.tile(r, k[:, :, c], v[:, :, c], band, sink, None, first=first,
+                             dkv=(dk[:, :, c], dv[:, :, c]) if direct else None)
+            if not direct:
+                dk[:, :, c], dv[:, :, c] = part.dk, part.dv
             d_sink = part.d_sink if d_sink is None else d_sink + part.d_sink
-        return TileGrads(None, dk, dv, d_sink, None)
+        return TileGrads(None, None if direct else dk, None if direct else dv, d_sink, None)
 
     def _compile(self, args, causal: bool, local: bool, left, right):
         fa4, cfg = self.fa4, self.cfg

@@ -349,7 +349,8 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
         out = torch.empty_like(q)
         dq = torch.empty_like(q)
         dkv = LocalDKV(torch.zeros(ks[0].shape, dtype=acc, device=device),
-                       torch.zeros(vs[0].shape, dtype=acc, device=device), schedule)
+                       torch.zeros(vs[0].shape, dtype=acc, device=device), schedule, reader=rank,
+                       kv_dtype=dtype)
         rows: list = []
         fwd_state = ForwardState.make(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), lse)
         bwd_state = BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), do, lse, fmt.to_bhsd(dq))
