@@ -424,8 +424,9 @@ def test_fa4_rows_backward_writes_a_tiles_dkv_into_the_views_given_and_nowhere_e
     want = (want.dk.clone(), want.dv.clone())    # views of the scratch
     got = rows_bwd.tile(slice(0, n), k, v, Band(), None, None, first=False, dkv=dkv)
     assert got.dk is None and got.dv is None
+    exact = dict(rtol=0, atol=0) if g == h else {}   # under GQA FA4 sums dK/dV with atomics, in any order
     for x, y in zip(dkv, want):
-        torch.testing.assert_close(x, y.to(x.dtype), rtol=0, atol=0)
+        torch.testing.assert_close(x, y, **exact)
     for x in storage:
         x = fmt.to_bhsd(x)
         assert (x[:, :, :around] == 7).all() and (x[:, :, around + n_kv:] == 7).all()
