@@ -7,7 +7,7 @@
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
-# layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9
+# layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -287,4 +287,13 @@ fi
 if [[ $what == *" prof9 "* ]]; then   # <= 150 s: where rank 7's time goes in issue 11's worst cell, the ring's own code
   run ring_prof9 150 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" --masks causal \
       --ring-backends fa4+comm --kv-schedules direct --profile-step --out "$OUT/ring_prof9.json"
+fi
+if [[ $what == *" final9 "* ]]; then   # <= 330 s: a direct backward's kept partials summed in one pass at the end
+  run gpu_tests_final9 110 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py \
+      -k "sum_of_kept or writes_a_tiles_dkv or cuda_graph"
+  run check_final9 70 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p --softmax all --mask all \
+      --kv-schedule direct --dtype bf16 --sink-strategy step0 --batch 2 --seq-len 4096 --heads 8 --kv-heads 8 \
+      --head-dim 128 --format json --output "$OUT/check_final9.json"
+  run ring_bench_final9 150 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,8" \
+      --ring-backends fa4+comm --kv-schedules direct --out "$OUT/ring_bench_final9.json"
 fi

@@ -14,6 +14,7 @@ Rows are addressed through their ``[b, h, s]`` strides, so bshd and sbhd views n
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -145,6 +146,38 @@ if triton is not None:
         lse = tl.load(l_ptr + _row_offsets(rows, H, S, l_sb, l_sh, l_ss), mask=live, other=0.0)
         a = tl.load(a_ptr + (rows // S) % H, mask=live, other=0.0)
         tl.store(g_ptr + rows, -tl.exp(a - lse) * tl.sum(o * do, axis=1), mask=live)
+
+
+if triton is not None:
+    @triton.jit
+    def _sum_partials_kernel(out_ptr, acc_ptr, buf_ptr, table_ptr, n_ptr, OUTER, S, INNER, J,
+                             BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)          # (plane, outer, s) of a [2, outer, S, inner] buffer
+        cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = cols < INNER
+        s = row % S
+        po = row // S                                # plane * OUTER + outer
+        x = tl.load(acc_ptr + row * INNER + cols, mask=live, other=0.0).to(tl.float32)
+        base = tl.zeros((), dtype=tl.int64)
+        for j in range(J):
+            m = tl.load(table_ptr + s * J + j).to(tl.int64)      # the row's place in partial j, -1: not in it
+            n = tl.load(n_ptr + j)
+            x += tl.load(buf_ptr + base + (po * n + m) * INNER + cols, mask=live & (m >= 0), other=0.0).to(tl.float32)
+            base += 2 * OUTER * n * INNER
+        tl.store(out_ptr + row * INNER + cols, x.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def sum_partials(out: torch.Tensor, acc: torch.Tensor, buf: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                 seq_dim: int) -> None:
+    """``out = acc + sum_j partial_j`` over the rows each partial carries, in one pass (``ring.DirectDKV``):
+    ``acc``, ``out`` contiguous ``[2, ..., S, ...]`` (sequence at ``seq_dim``), the partials one
+    after another in ``buf``, partial j laid out as ``acc`` with ``rows[j]`` rows; ``table``
+    ``[S, J]`` int32: each row's place in partial j, or -1."""
+    outer = acc[0].numel() // (acc.shape[seq_dim] * math.prod(acc.shape[seq_dim + 1:]))
+    s, inner = acc.shape[seq_dim], math.prod(acc.shape[seq_dim + 1:])
+    block = min(triton.next_power_of_2(inner), 4096)
+    _sum_partials_kernel[(2 * outer * s, triton.cdiv(inner, block))](out, acc, buf, table, rows, outer, s, inner,
+                                                                    table.shape[1], BLOCK=block, num_warps=NUM_WARPS)
 
 
 def merge_parts_(o: torch.Tensor, lse: torch.Tensor, parts_o: torch.Tensor, parts_lse: torch.Tensor, *,

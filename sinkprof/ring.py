@@ -25,7 +25,7 @@ from .kernels.base import BackwardState, add_rows_
 from .options import CPOptions, KVSchedule, SinkStrategy, accum_dtype
 from .plan import RankPlan, Step, Tile, rows_in, spec_layout
 from .schedule import CommSchedule, comm_schedule, row_bytes
-from .sink import NEG_INF, merge_parts_, sink_grad, sink_logits
+from .sink import NEG_INF, fused_for, merge_parts_, sink_grad, sink_logits
 
 
 class KVSource(Protocol):
@@ -541,13 +541,19 @@ def _placement(held, arriving) -> list[tuple[int, int, int]]:
 
 
 class DirectDKV:
-    """dK/dV of the rows a step read return to their owner, who adds them to its own in the
+    """dK/dV of the rows a step read return to their owner, who sums them with its own in the
     accumulator dtype: step i's part is posted once its tiles are in (with the part this rank's
-    reader ``rank + i`` returns), and added at home after step i+1 computed. Step 0's tiles go
-    straight into the home accumulator. A step whose tiles write every row once (``Step.kv_cover``:
-    causal and full masks) writes its part (and step 0 the home accumulator) without zeroing it,
-    and its part is kept and sent in K/V's dtype (``CommSchedule.partial_in_kv_dtype``): half the
-    bytes of an fp32 part to write, send and add for bf16/fp16."""
+    reader ``rank + i`` returns). Step 0's tiles go straight into the home accumulator. A step
+    whose tiles write every row once (``Step.kv_cover``: causal and full masks) writes its part
+    (and step 0 the home accumulator) without zeroing it.
+
+    Such a part is kept and sent in K/V's dtype (``CommSchedule.partial_in_kv_dtype``): half the
+    bytes of an fp32 one for bf16/fp16. The ones that arrive that way each have a buffer of their
+    own and are summed once, at the end, with the home accumulator straight into K/V's dtype (one
+    pass, ``fused.sum_partials``, on CUDA; ~2 bytes an element a part where adding each into the
+    accumulator as it lands moves ~10); what they cost is memory: up to cp - 1 shards of dK/dV in
+    K/V's dtype until the backward ends. Parts in the accumulator dtype are added as they land,
+    after the next step computed."""
 
     def __init__(self, comm, shape, dtype: torch.dtype, device, fmt, schedule: CommSchedule, kv_dtype: torch.dtype):
         self.comm, self.fmt, self.schedule, self.kv_dtype = comm, fmt, schedule, kv_dtype
@@ -556,8 +562,14 @@ class DirectDKV:
         largest = schedule.largest()
         self.parts = [_flat(self.acc, self.sd, largest) for _ in range(2)]
         self.incoming = [_flat(self.acc, self.sd, largest) for _ in range(2)]
+        kept = schedule.kept_partials(comm.rank)
+        self.kept_buffer = _flat(self.acc, self.sd, sum(rows_in(rows) for _, rows in kept), kv_dtype)
+        self.kept, at = {}, 0   # step -> (its part's buffer, the rows of this rank's shard it carries)
+        for i, rows in kept:
+            self.kept[i] = (_rows(self.kept_buffer[at:], self.acc, self.sd, rows_in(rows)), rows)
+            at += self.kept[i][0].numel()
         self.pending = None
-        self.arrived = None   # (message, rows of this rank's shard it carries)
+        self.arrived = None   # (message, rows of this rank's shard it carries): added once it is in
 
     def start(self, step: Step):
         i = step.index
@@ -582,7 +594,9 @@ class DirectDKV:
         theirs = self.schedule.kv_rows(reader, i)
         sends = [(self._part(self.parts[i % 2], me, i, step.held_rows), owner)] if step.held else []
         recvs = []
-        if theirs:
+        if i in self.kept:
+            recvs.append((self.kept[i][0], reader))
+        elif theirs:
             message = self._part(self.incoming[i % 2], reader, i, rows_in(theirs))
             self.arrived = (message, theirs)
             recvs.append((message, reader))
@@ -594,18 +608,31 @@ class DirectDKV:
             self.pending.wait()
             self.pending = None
         if self.arrived is not None:
-            message, rows = self.arrived
-            at = 0
-            for p in rows:
-                n = p.stop - p.start
-                self.acc.narrow(self.sd, p.start, n).add_(message.narrow(self.sd, at, n))
-                at += n
+            self._add(*self.arrived)
             self.arrived = None
 
+    def _add(self, message: torch.Tensor, rows) -> None:
+        at = 0
+        for p in rows:
+            n = p.stop - p.start
+            self.acc.narrow(self.sd, p.start, n).add_(message.narrow(self.sd, at, n))
+            at += n
+
     def home(self) -> torch.Tensor:
-        """``[2, *kv_shape]``: this rank's own dK and dV, summed over every rank's tiles."""
+        """``[2, *kv_shape]``: this rank's own dK and dV, summed over every rank's tiles (in K/V's
+        dtype where parts were kept, else the accumulator's)."""
         self._land()
-        return self.acc
+        if not self.kept:
+            return self.acc
+        fused = fused_for(self.acc.dtype, self.acc)
+        if fused is None:
+            for message, rows in self.kept.values():
+                self._add(message, rows)
+            return self.acc
+        out = torch.empty_like(self.acc, dtype=self.kv_dtype)
+        table, sizes = self.schedule.partial_table(self.comm.rank, self.acc.shape[self.sd], self.acc.device)
+        fused.sum_partials(out, self.acc, self.kept_buffer, table, sizes, self.sd)
+        return out
 
 
 class GatherKV:

@@ -76,7 +76,7 @@ class CommSchedule:
             raise ValueError("CommSchedule needs 'ring', 'direct' or 'allgather'; comm_schedule resolves 'auto'")
         self.kind, self.cp, self.layout, self.band = kind, cp, as_layout(cp, chunk), band
         self.plans: tuple[RankPlan, ...] = tuple(ring_plan(cp, r, self.layout, band, kind) for r in range(cp))
-        self._gather_index: dict = {}
+        self._index: dict = {}   # index tensors made once per device (gather_index, partial_table)
 
     def gathered_rows(self, reader: int, owner: int) -> list[tuple[int, int, int]]:
         """The rows of ``owner``'s shard that ``reader``'s tiles read (``allgather``: what the owner
@@ -95,14 +95,14 @@ class CommSchedule:
         """``gathered_rows`` as index tensors (the owner's local rows, the reader's buffer rows) and
         their count, made once per device: a warm call does no host work, and a graph can capture it."""
         key = (reader, owner, str(torch.device(device)))
-        if key not in self._gather_index:
+        if key not in self._index:
             runs = self.gathered_rows(reader, owner)
             mine = [torch.arange(src, src + n) for src, _, n in runs]
             at = [torch.arange(dst, dst + n) for _, dst, n in runs]
             empty = torch.zeros(0, dtype=torch.int64)
-            self._gather_index[key] = (torch.cat(mine or [empty]).to(device), torch.cat(at or [empty]).to(device),
+            self._index[key] = (torch.cat(mine or [empty]).to(device), torch.cat(at or [empty]).to(device),
                                        sum(n for _, _, n in runs))
-        return self._gather_index[key]
+        return self._index[key]
 
     def kv_rows(self, reader: int, step: int) -> tuple[slice, ...]:
         """Rows of rank ``(reader - step) % cp``'s shard that ``reader`` holds at ``step`` (the
@@ -168,6 +168,31 @@ class CommSchedule:
         nothing is lost; the torch tiles' fp32 partials are rounded once more (half precision only:
         for fp32 and fp64 K/V the two dtypes are one)."""
         return self.kind is KVSchedule.DIRECT and step > 0 and self.plans[reader].steps[step].kv_cover
+
+    def kept_partials(self, owner: int) -> list[tuple[int, tuple[slice, ...]]]:
+        """``(step, rows of owner's shard)`` of every dK/dV partial that returns to ``owner`` in K/V's
+        dtype (``partial_in_kv_dtype``), in step order: ``DirectDKV`` keeps them apart and sums them
+        at the end, in one pass."""
+        cp = self.cp
+        return [(i, self.kv_rows((owner + i) % cp, i)) for i in range(1, cp)
+                if self.partial_in_kv_dtype((owner + i) % cp, i) and self.kv_rows((owner + i) % cp, i)]
+
+    def partial_table(self, owner: int, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kept_partials`` as index tensors, made once per device: int32 ``[rows, J]``, each row of
+        the shard's place in partial j (-1 where it is not in it), and int64 ``[J]``, the rows of
+        each partial."""
+        key = ("partials", owner, rows, str(torch.device(device)))
+        if key not in self._index:
+            kept = self.kept_partials(owner)
+            table = torch.full((rows, len(kept)), -1, dtype=torch.int32)
+            for j, (_, parts) in enumerate(kept):
+                at = 0
+                for p in parts:
+                    table[p.start:p.stop, j] = torch.arange(at, at + p.stop - p.start, dtype=torch.int32)
+                    at += p.stop - p.start
+            sizes = torch.tensor([rows_in(parts) for _, parts in kept], dtype=torch.int64)
+            self._index[key] = (table.to(device), sizes.to(device))
+        return self._index[key]
 
     def total_bytes(self, kv_row_bytes: int, dkv_row_bytes: int) -> int:
         """Bytes sent by all ranks together, forward and backward."""

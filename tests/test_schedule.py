@@ -306,3 +306,24 @@ def _rows_shape(x: torch.Tensor, dim: int, rows: int) -> list:
     shape = list(x.shape)
     shape[dim] = rows
     return shape
+
+
+@pytest.mark.parametrize("cp", CPS)
+@pytest.mark.parametrize("name,band", BANDS, ids=[n for n, _ in BANDS])
+def test_the_kept_partials_table_places_each_shard_row_in_every_partial_that_carries_it(cp, name, band):
+    """``DirectDKV`` sums the partials that come back in K/V's dtype at the end: the table says
+    where each row of the owner's shard sits in each of them (message order), -1 where it is not."""
+    schedule = CommSchedule(KVSchedule.DIRECT, cp, C, band)
+    for owner in range(cp):
+        kept = schedule.kept_partials(owner)
+        readers = {i: (owner + i) % cp for i in range(1, cp)}
+        assert [i for i, _ in kept] == [i for i in range(1, cp) if schedule.partial_in_kv_dtype(readers[i], i)
+                                        and schedule.kv_rows(readers[i], i)]
+        table, sizes = schedule.partial_table(owner, 2 * C, "cpu")
+        assert table.shape == (2 * C, len(kept)) and table.dtype == torch.int32
+        for j, (i, rows) in enumerate(kept):
+            assert rows == schedule.kv_rows(readers[i], i)
+            carried = [r for p in rows for r in range(p.start, p.stop)]    # the shard's rows, in message order
+            want = torch.full((2 * C,), -1, dtype=torch.int32)
+            want[carried] = torch.arange(len(carried), dtype=torch.int32)
+            assert sizes[j] == len(carried) and torch.equal(table[:, j], want), (owner, i)
