@@ -17,9 +17,10 @@ the other ranks from memory, no communication) for vanilla, learnable ``step0`` 
 ``post-merge``; the slowest is reported, and its rate against FA4's monolithic rate on the whole
 sequence (vanilla against vanilla, learnable against FA4 with the sink) is the ring efficiency.
 ``--ring-backends fa4+comm`` (any backend, ``+comm``) times instead what ``cp_attention`` runs on a
-rank: ``P2PAttention``'s forward and backward (its default K/V schedule, its K/V and dK/dV
-buffers, exchanges and passes) over a loopback communicator whose messages are device copies on a
-stream of their own, so only the link is missing.
+rank: ``P2PAttention``'s forward and backward (its K/V and dK/dV buffers, exchanges and passes)
+over a loopback communicator whose messages are device copies on a
+stream of their own, so only the link is missing. Both run under each K/V schedule of
+``--kv-schedules`` (default ``direct``: what ``cp_attention``'s ``auto`` takes for these shapes).
 
 Packs (issue 15's target: the slowest rank's ring on a 64k pack of documents of 2k-16k tokens at
 cp = 8 at >= 0.90x FA4's varlen rate on the same pack): document lengths drawn from a seeded
@@ -273,9 +274,11 @@ class Loopback:
                 self.received[(phase, kind)] += 1
                 self.received_bytes[(phase, kind)] += t.numel() * t.element_size()
                 src = sends[n][0] if n < len(sends) and (sends[n][0].shape, sends[n][0].dtype) == (t.shape, t.dtype) else None
-                if src is None:
+                if src is None:   # a buffer kept per shape: made (and zeroed) once, not at every message
                     key = (tuple(t.shape), t.dtype)
-                    src = self.sources.setdefault(key, torch.zeros(t.shape, dtype=t.dtype, device=t.device))
+                    if key not in self.sources:
+                        self.sources[key] = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+                    src = self.sources[key]
                 t.copy_(src)
         return _Arrived(self.stream)
 
@@ -396,7 +399,7 @@ def with_rates(rows: list, total: int, mono_ms: dict, mono: str = "fa4") -> list
     return rows
 
 
-def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, kinds=(KVSchedule.RING,)) -> dict:
+def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, kinds=(KVSchedule.DIRECT,)) -> dict:
     """The slowest of ranks 0, cp/2, cp-1 per backend, variant and K/V schedule (``kinds``),
     against FA4 monolithic; ``names``: backends, and ``fa4-per-tile`` (FA4 with its backward tile
     by tile)."""
@@ -529,7 +532,7 @@ def fa4_varlen(p: Pack, sink, scale: float):
 
 
 def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names: list,
-               kinds=(KVSchedule.RING,), layouts=(PackLayout.ZIGZAG,)) -> dict:
+               kinds=(KVSchedule.DIRECT,), layouts=(PackLayout.ZIGZAG,)) -> dict:
     """Per layout, backend, variant and K/V schedule (``kinds``; the balanced layout runs under
     allgather alone) the slowest rank's schedule on a pack (causal within each document), against
     FA4's varlen monolithic call on the same pack; FLOPs on both sides are the documents' own causal
@@ -619,8 +622,8 @@ def parse_args(argv=None):
     ap.add_argument("--s-rank", type=int, default=8192, help="tokens per rank in the ring benchmarks")
     ap.add_argument("--rings", default="h16-d128:2,4,8;gpt-oss:2,4,8", help=f"configs from {sorted(CONFIGS)}")
     ap.add_argument("--masks", default="causal,no_mask")
-    ap.add_argument("--kv-schedules", default="ring", help="K/V schedules of the ring and pack benchmarks: ring, "
-                    "direct, allgather (comma list)")
+    ap.add_argument("--kv-schedules", default="direct", help="K/V schedules of the ring and pack benchmarks: ring, "
+                    "direct, allgather (comma list; direct is what auto takes for these shapes)")
     ap.add_argument("--ring-backends", default=None,
                     help="backends of the ring and pack benchmarks, fa4-per-tile, and BACKEND+comm: the ring's "
                          "own code over a loopback communicator, rings only (default: every backend here, and "

@@ -56,7 +56,13 @@ def test_the_gpu_session_command_line_parses_into_one_64k_pack_at_cp_8(bk):
     [(name, cp, docs)] = args.pack_cases
     assert (name, cp, sum(docs)) == ("gpt-oss", 8, 65536) and min(docs) >= 2048 and max(docs) <= 16384
     assert args.kinds == [KVSchedule.RING, KVSchedule.ALLGATHER]
-    assert bk.parse_args(["--packs", "gpt-oss:8"]).kinds == [KVSchedule.RING]
+    assert bk.parse_args(["--packs", "gpt-oss:8"]).kinds == [KVSchedule.DIRECT]   # what auto takes for them
+    from sinkprof.schedule import case_comm
+    for name, mask in (("h16-d128", "causal"), ("h16-d128", "no_mask"), ("gpt-oss", "causal"), ("gpt-oss", "no_mask")):
+        h, g, d = bk.CONFIGS[name]
+        for cp in (2, 4, 8):
+            case = case_comm(s=8192 * cp, b=1, h=h, g=g, d=d, dtype=torch.bfloat16, cp=cp, mask=mask)
+            assert case.schedule.kind is KVSchedule.DIRECT, (name, mask, cp)
     for bad in (["--pack-docs", "2048"], ["--packs", "nope:8"], ["--packs", "gpt-oss:6", "--pack-len", "65532"],
                 ["--kv-schedules", "auto"], ["--kv-schedules", "sideways"]):
         with pytest.raises(SystemExit):
