@@ -177,7 +177,8 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
 
     Host: the full-sequence fp64 inputs and their rounded copy (``make_inputs``). Device (the
     host when the run is on the CPU): the reference's fp64 inputs, results and one score block,
-    and the CP run's shard, ring buffers (under allgather at most the whole sequence's K/V and dK/dV), the
+    and the CP run's shard, ring buffers (under allgather at most the whole sequence's K/V and dK/dV;
+    under direct also the dK/dV parts kept until the end, at most a shard from every other rank), the
     forward's buffers of later results, gradients and, with ``tile_scores`` (the torch tiles,
     which hold a tile's scores; cuDNN and FA4 never do), a tile's scores. A thd pack's tiles are
     its documents' own (``plan.ring_plan``), so its largest tile is its longest document's, not
@@ -202,7 +203,11 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
     # the forward's buffers of later results (at most 2 a step, PARTS in all) and, when they merge more
     # than once, the fp32 accumulator (ring.ForwardState)
     device += o_local * (min(PARTS, 2 * (ring - 1)) * elem + (acc if ring - 1 > PARTS else 0))
-    gather = ring > 1 and _ring_schedule(case, ranks) is KVSchedule.ALLGATHER
+    kind = _ring_schedule(case, ranks) if ring > 1 else KVSchedule.RING
+    gather = kind is KVSchedule.ALLGATHER
+    if kind is KVSchedule.DIRECT:   # the dK/dV parts that return in K/V's dtype, kept until the backward ends
+        # (ring.DirectDKV): at most a shard from every other rank
+        device += (ring - 1) * sh.b * (sh.s // ring) * 2 * max(1, sh.g // members) * sh.d * elem
     if gather:   # at most the sequence's K/V three times (the rows read; the rows staged to send, and arrived),
         # and its dK/dV three times (the rows read; their parts going back, and arrived)
         kv_all = sh.b * sh.s * 2 * max(1, sh.g // members) * sh.d
