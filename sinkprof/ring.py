@@ -136,7 +136,8 @@ class LocalKV:
 
 class LocalDKV:
     """dK/dV added into their owner's accumulators (one per rank, or one shared): in place when
-    the step holds the owner's whole shard, else through the step's own rows (a gathered step's:
+    the step holds the owner's whole shard and its part would travel in the accumulator dtype,
+    else through the step's own rows (a gathered step's:
     every owner's rows it read), which its tiles write without zeroing them where they read every
     row once (``Step.kv_cover``), in the dtype ``DirectDKV`` sends them in (``kv_dtype`` where
     ``CommSchedule.partial_in_kv_dtype``)."""
@@ -153,7 +154,8 @@ class LocalDKV:
 
     def start(self, step: Step):
         dk, dv = self._home(step.kv_rank)
-        if _whole(step, dk.shape[2]) and not step.gathered:
+        if _whole(step, dk.shape[2]) and not step.gathered and not self.schedule.partial_in_kv_dtype(self.reader,
+                                                                                                     step.index):
             self.part = None
             return dk, dv, False
         shape = (*dk.shape[:2], step.held_rows, dk.shape[3])   # written where its tiles read every row once
@@ -552,8 +554,8 @@ class DirectDKV:
     own and are summed once, at the end, with the home accumulator straight into K/V's dtype (one
     pass, ``fused.sum_partials``, on CUDA; ~2 bytes an element a part where adding each into the
     accumulator as it lands moves ~10); what they cost is memory: up to cp - 1 shards of dK/dV in
-    K/V's dtype until the backward ends. Parts in the accumulator dtype are added as they land,
-    after the next step computed."""
+    K/V's dtype until the backward ends. Parts in the accumulator dtype (all of them for fp32 and
+    fp64 K/V: nothing to save) are added as they land, after the next step computed."""
 
     def __init__(self, comm, shape, dtype: torch.dtype, device, fmt, schedule: CommSchedule, kv_dtype: torch.dtype):
         self.comm, self.fmt, self.schedule, self.kv_dtype = comm, fmt, schedule, kv_dtype
@@ -562,7 +564,8 @@ class DirectDKV:
         largest = schedule.largest()
         self.parts = [_flat(self.acc, self.sd, largest) for _ in range(2)]
         self.incoming = [_flat(self.acc, self.sd, largest) for _ in range(2)]
-        kept = schedule.kept_partials(comm.rank)
+        # kept only where K/V's dtype is narrower than the accumulator's (fp32/fp64 K/V: nothing to save)
+        kept = schedule.kept_partials(comm.rank) if kv_dtype.itemsize < self.acc.element_size() else []
         self.kept_buffer = _flat(self.acc, self.sd, sum(rows_in(rows) for _, rows in kept), kv_dtype)
         self.kept, at = {}, 0   # step -> (its part's buffer, the rows of this rank's shard it carries)
         for i, rows in kept:

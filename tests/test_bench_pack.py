@@ -222,5 +222,5 @@ def test_the_loopback_ring_runs_the_rings_own_exchanges(bk, cp, mask, kind, docs
         assert dict(ring.comm.received_bytes) == dict(planned_bytes)
         assert planned[("bwd", "dkv")] >= cp - 1
         if kind == "direct" and dtype is torch.bfloat16 and docs is None:   # the partials come in bf16
-            shard = 2 * g * d * s // cp   # elements of a shard's K and V
+            shard = 2 * b * g * d * s // cp   # elements of a shard's K and V
             assert planned_bytes[("bwd", "dkv")] <= 2 * shard * (cp - 1)

@@ -153,13 +153,14 @@ def test_allgather_is_counted_with_the_whole_sequences_kv_and_its_wider_tiles():
 def test_direct_is_counted_with_the_dkv_parts_it_keeps_until_the_end():
     """Under direct an owner keeps the dK/dV parts that return in K/V's dtype until the backward
     ends (``ring.DirectDKV``): up to a shard from each of the other ranks, beyond the ring's need."""
-    ring, direct = (expand(Settings(seq_len=4096, kv_schedule=(kind,), ranks=4))[0] for kind in ("ring", "direct"))
-    sh = ring.shape
+    def need(kind, dtype, ranks=4):
+        return preflight.case_need(expand(Settings(seq_len=4096, kv_schedule=(kind,), dtype=(dtype,),
+                                                   ranks=ranks))[0], ranks, False)
+    sh = expand(Settings(seq_len=4096, ranks=4))[0].shape
     shard = sh.b * (sh.s // 4) * 2 * sh.g * sh.d
-    assert (preflight.case_need(direct, 4, False)[1] - preflight.case_need(ring, 4, False)[1]
-            == 3 * shard * 8)   # fp64 by default
-    one = [expand(Settings(seq_len=4096, kv_schedule=(kind,), ranks=1))[0] for kind in ("ring", "direct")]
-    assert preflight.case_need(one[0], 1, False) == preflight.case_need(one[1], 1, False)
+    assert need("direct", "bf16")[1] - need("ring", "bf16")[1] == 3 * shard * 2
+    assert need("direct", "fp64") == need("ring", "fp64")      # K/V's dtype is the accumulator's: nothing kept
+    assert need("direct", "bf16", ranks=1) == need("ring", "bf16", ranks=1)
 
 
 def test_the_balanced_layouts_tile_scores_count_a_ranks_pieces_of_a_document_together():

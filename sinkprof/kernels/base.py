@@ -173,7 +173,7 @@ def add_rows_(dst: torch.Tensor, src: torch.Tensor, rows: tuple[slice, ...], *, 
     (``[b, h, s, d]`` views; a group's tiles, a pack's documents): one fused pass on CUDA (a launch
     per document made a pack's backward pay ~10 us per document per step), a slice at a time
     elsewhere."""
-    fused = fused_for(dst.dtype, dst, src) if len(rows) > 1 else None
+    fused = fused_for(accum_dtype(dst.dtype), dst, src) if len(rows) > 1 else None   # (a bf16 dst: a part in K/V's dtype)
     if fused is not None:
         fused.add_rows_(dst, src, _row_index(tuple((r.start, r.stop) for r in rows), dst.device), write=write)
         return

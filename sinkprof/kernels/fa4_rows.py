@@ -202,7 +202,7 @@ class FA4RowsBackward:
         for r, c, band in zip(rows, cols, bands):
             part = self.tile(r, k[:, :, c], v[:, :, c], band, sink, None, first=first,
                              dkv=(dk[:, :, c], dv[:, :, c]) if direct else None)
-            if not direct:
+            if part.dk is not None:   # not written in place (a view FA4 cannot write to)
                 dk[:, :, c], dv[:, :, c] = part.dk, part.dv
             d_sink = part.d_sink if d_sink is None else d_sink + part.d_sink
         return TileGrads(None, None if direct else dk, None if direct else dv, d_sink, None)

@@ -205,8 +205,8 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
     device += o_local * (min(PARTS, 2 * (ring - 1)) * elem + (acc if ring - 1 > PARTS else 0))
     kind = _ring_schedule(case, ranks) if ring > 1 else KVSchedule.RING
     gather = kind is KVSchedule.ALLGATHER
-    if kind is KVSchedule.DIRECT:   # the dK/dV parts that return in K/V's dtype, kept until the backward ends
-        # (ring.DirectDKV): at most a shard from every other rank
+    if kind is KVSchedule.DIRECT and elem < acc:   # the dK/dV parts that return in K/V's dtype, kept until the
+        # backward ends (ring.DirectDKV, half precision): at most a shard from every other rank
         device += (ring - 1) * sh.b * (sh.s // ring) * 2 * max(1, sh.g // members) * sh.d * elem
     if gather:   # at most the sequence's K/V three times (the rows read; the rows staged to send, and arrived),
         # and its dK/dV three times (the rows read; their parts going back, and arrived)
