@@ -7,7 +7,7 @@
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
-# layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9
+# layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -296,4 +296,12 @@ if [[ $what == *" final9 "* ]]; then   # <= 330 s: a direct backward's kept part
       --head-dim 128 --format json --output "$OUT/check_final9.json"
   run ring_bench_final9 150 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,8" \
       --ring-backends fa4+comm --kv-schedules direct --out "$OUT/ring_bench_final9.json"
+fi
+if [[ $what == *" verify10 "* ]]; then   # <= 590 s: what changed after the ninth session's last GPU run (not yet run):
+  # the fused row pass into bf16 parts, FA4's group copy fallback, the emulator's whole-shard parts, fp32/fp64
+  # keeping nothing; then issue 11's rings at cp 4 and gpt-oss shapes at the one-sum commit
+  run gpu_tests_verify10 300 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py \
+      -k "direct_backward_on_fa4 or sum_of_kept or writes_a_tiles_dkv or pack or cuda_graph or fa4_rows"
+  run ring_bench10 280 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4;gpt-oss:4,8" \
+      --ring-backends fa4+comm --out "$OUT/ring_bench10.json"
 fi

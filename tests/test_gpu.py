@@ -471,6 +471,28 @@ def test_the_fused_sum_of_kept_partials_matches_adding_them_one_after_another(la
     torch.testing.assert_close(out, want.to(torch.bfloat16), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layout,extra", [("bshd", ["--batch", "2", "--seq-len", "2048"]),
+                                          ("sbhd", ["--batch", "2", "--seq-len", "2048"]),
+                                          ("thd", ["--seqlens", "1024,512,1536"])])
+def test_a_direct_backward_on_fa4_sums_the_parts_it_kept_in_every_layout(fa4_kernel, tmp_path, layout, extra):
+    """4 ranks sharing the GPU under direct: each owner sums the bf16 dK/dV parts its readers
+    return in one pass at the end (``DirectDKV.home``, ``fused.sum_partials``) over the buffers
+    and table the schedule lays out, for a sequence in both layouts and for a pack."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "check.json"
+    res = subprocess.run([sys.executable, "-m", "sinkprof", "check", "--device", "cuda", "--backend", "fa4",
+                          "--ranks", "4", "--comm", "p2p", "--kv-schedule", "direct", "--qkv-format", layout, *extra,
+                          "--softmax", "vanilla,learnable", "--mask", "causal,no_mask", "--dtype", "bf16",
+                          "--sink-strategy", "step0", "--heads", "8", "--kv-heads", "2", "--head-dim", "64",
+                          "--format", "json", "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["passed"] and len(report["cases"]) == 4
+    assert all(c["kv_schedule"] == "direct" and c["backend"] == "fa4" for c in report["cases"])
+
+
 # -- thd packs on FA4: a step's documents as one varlen call ---------------------------------------
 
 @pytest.mark.parametrize("cp,docs", [(2, [512, 1536, 2048]), (4, [256, 2048, 768, 1024])])
