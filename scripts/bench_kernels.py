@@ -233,7 +233,8 @@ def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, 
     def bwd():
         if kernel.name == "fa4":
             kernel.rows_path = rows_path
-        run_backward(plan, kv_bwd, LocalDKV(dks, dvs, schedule, reader=rank, kv_dtype=ks[0].dtype), state=bwd_state, sink=a, bias=None, opts=opts)
+        run_backward(plan, kv_bwd, LocalDKV(dks, dvs, schedule, reader=rank, kv_dtype=ks[0].dtype), state=bwd_state,
+                     sink=a, bias=None, opts=opts)
     return RankRing(fwd, bwd, out, dq, dks, dvs)
 
 
@@ -273,7 +274,8 @@ class Loopback:
             for n, (t, _) in enumerate(recvs):
                 self.received[(phase, kind)] += 1
                 self.received_bytes[(phase, kind)] += t.numel() * t.element_size()
-                src = sends[n][0] if n < len(sends) and (sends[n][0].shape, sends[n][0].dtype) == (t.shape, t.dtype) else None
+                same = n < len(sends) and (sends[n][0].shape, sends[n][0].dtype) == (t.shape, t.dtype)
+                src = sends[n][0] if same else None
                 if src is None:   # a buffer kept per shape: made (and zeroed) once, not at every message
                     key = (tuple(t.shape), t.dtype)
                     if key not in self.sources:

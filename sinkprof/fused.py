@@ -173,8 +173,7 @@ def sum_partials(out: torch.Tensor, acc: torch.Tensor, buf: torch.Tensor, table:
     ``acc``, ``out`` contiguous ``[2, ..., S, ...]`` (sequence at ``seq_dim``), the partials one
     after another in ``buf``, partial j laid out as ``acc`` with ``rows[j]`` rows; ``table``
     ``[S, J]`` int32: each row's place in partial j, or -1."""
-    outer = acc[0].numel() // (acc.shape[seq_dim] * math.prod(acc.shape[seq_dim + 1:]))
-    s, inner = acc.shape[seq_dim], math.prod(acc.shape[seq_dim + 1:])
+    outer, s, inner = math.prod(acc.shape[1:seq_dim]), acc.shape[seq_dim], math.prod(acc.shape[seq_dim + 1:])
     block = min(triton.next_power_of_2(inner), 4096)
     _sum_partials_kernel[(2 * outer * s, triton.cdiv(inner, block))](out, acc, buf, table, rows, outer, s, inner,
                                                                     table.shape[1], BLOCK=block, num_warps=NUM_WARPS)

@@ -154,12 +154,12 @@ class LocalDKV:
 
     def start(self, step: Step):
         dk, dv = self._home(step.kv_rank)
-        if _whole(step, dk.shape[2]) and not step.gathered and not self.schedule.partial_in_kv_dtype(self.reader,
-                                                                                                     step.index):
+        narrow = self.schedule.partial_in_kv_dtype(self.reader, step.index)
+        if _whole(step, dk.shape[2]) and not step.gathered and not narrow:
             self.part = None
             return dk, dv, False
         shape = (*dk.shape[:2], step.held_rows, dk.shape[3])   # written where its tiles read every row once
-        dtype = self.kv_dtype if self.schedule.partial_in_kv_dtype(self.reader, step.index) else dk.dtype
+        dtype = self.kv_dtype if narrow else dk.dtype
         self.part = tuple((x.new_empty if step.kv_cover else x.new_zeros)(shape, dtype=dtype) for x in (dk, dv))
         return (*self.part, step.kv_cover)
 
@@ -334,12 +334,13 @@ def _backward_tiles(step: Step, *, k, v, dk, dv, write: bool, rows, sink, bias, 
             grads = rows.tile(tile.q_rows, k[:, :, cols], v[:, :, cols], tile.band, tile_sink(tile, sink, strategy),
                               bias.tile(step, t) if bias else None, first=tile.sink,
                               dkv=(dk[:, :, cols], dv[:, :, cols]) if write else None)
-            if grads.dk is not None and write:   # (None: the kernel wrote them into the step's dK/dV)
-                dk[:, :, cols].copy_(grads.dk)
-                dv[:, :, cols].copy_(grads.dv)
-            elif grads.dk is not None:
-                dk[:, :, cols] += grads.dk
-                dv[:, :, cols] += grads.dv
+            if grads.dk is not None:   # (None: the kernel wrote them into the step's dK/dV itself)
+                if write:
+                    dk[:, :, cols].copy_(grads.dk)
+                    dv[:, :, cols].copy_(grads.dv)
+                else:
+                    dk[:, :, cols] += grads.dk
+                    dv[:, :, cols] += grads.dv
             if grads.d_sink is not None:
                 d_sink += grads.d_sink
             if grads.d_bias is not None:

@@ -121,8 +121,9 @@ class FA4RowsBackward:
                                 fake_mode=False)
 
     def _scratch(self, k: torch.Tensor, v: torch.Tensor, dkv):
-        """dK/dV outputs (q's dtype, ``[b, n_kv, g, d]``: ``dkv``'s when given, else scratch) and, under GQA, FA4's zeroed fp32 accumulators for them: views of buffers made
-        at the first tile for the largest tile."""
+        """dK/dV outputs (q's dtype, ``[b, n_kv, g, d]``: ``dkv``'s when given, else scratch) and,
+        under GQA, FA4's zeroed fp32 accumulators for them: views of buffers made at the first tile
+        for the largest tile."""
         b, g, n_kv, d = k.shape
         if not self._kv_scratch:
             rows, dev = _round_up(self.kv_rows, self.cfg.n_block_size), k.device
