@@ -257,8 +257,9 @@ class Loopback:
     movers) runs as under NCCL. No link is modelled: a message takes the time of its copy.
 
     A kept buffer holds standard normal values, as the benchmark's inputs do, never zeros: on the
-    H200 FA4 runs ~10% faster on all-zero K/V than on real values (tensor cores toggling fewer
-    bits), which made the ranks whose messages all came from zeros look faster than FA4 itself."""
+    H200 FA4 ran a 4096 x 8192 tile 5% (forward) and 3% (backward) faster on all-zero K/V than on
+    normal values, which made the ranks whose messages all came from zeros look faster than FA4
+    monolithic."""
 
     def __init__(self, rank: int, size: int, device):
         self.rank, self.size = rank, size
