@@ -140,7 +140,8 @@ class LocalDKV:
     else through the step's own rows (a gathered step's:
     every owner's rows it read), which its tiles write without zeroing them where they read every
     row once (``Step.kv_cover``), in the dtype ``DirectDKV`` sends them in (``kv_dtype`` where
-    ``CommSchedule.partial_in_kv_dtype``)."""
+    ``CommSchedule.partial_in_kv_dtype``; step 0's too where ``DirectDKV`` holds the home
+    accumulator in it, ``CommSchedule.home_in_kv_dtype``)."""
 
     def __init__(self, dks, dvs, schedule: CommSchedule, *, reader: int, kv_dtype: torch.dtype):
         """``reader``: the rank whose steps run (``Step.held`` is what that rank holds)."""
@@ -154,7 +155,8 @@ class LocalDKV:
 
     def start(self, step: Step):
         dk, dv = self._home(step.kv_rank)
-        narrow = self.schedule.partial_in_kv_dtype(self.reader, step.index)
+        narrow = self.schedule.partial_in_kv_dtype(self.reader, step.index) or (
+            step.index == 0 and self.schedule.home_in_kv_dtype(self.reader))
         if _whole(step, dk.shape[2]) and not step.gathered and not narrow:
             self.part = None
             return dk, dv, False
@@ -433,9 +435,11 @@ class RingDKV:
         return self.incoming[self.last % 2]
 
 
-def _flat(like: torch.Tensor, seq_dim: int, rows: int, dtype=None) -> torch.Tensor:
-    """Storage for ``rows`` rows of ``like`` along ``seq_dim`` (views of any fewer rows are contiguous)."""
-    return torch.empty(like.numel() // like.shape[seq_dim] * rows, dtype=dtype or like.dtype, device=like.device)
+def _flat(like: torch.Tensor, seq_dim: int, rows: int, dtype=None, device=None) -> torch.Tensor:
+    """Storage for ``rows`` rows of ``like`` along ``seq_dim`` (views of any fewer rows are
+    contiguous), on ``like``'s device unless ``device`` is given."""
+    return torch.empty(like.numel() // like.shape[seq_dim] * rows, dtype=dtype or like.dtype,
+                       device=device or like.device)
 
 
 def _rows(flat: torch.Tensor, like: torch.Tensor, seq_dim: int, rows: int) -> torch.Tensor:
@@ -556,22 +560,29 @@ class DirectDKV:
     pass, ``fused.sum_partials``, on CUDA; ~2 bytes an element a part where adding each into the
     accumulator as it lands moves ~10); what they cost is memory: up to cp - 1 shards of dK/dV in
     K/V's dtype until the backward ends. Parts in the accumulator dtype (all of them for fp32 and
-    fp64 K/V: nothing to save) are added as they land, after the next step computed."""
+    fp64 K/V: nothing to save) are added as they land, after the next step computed. When every
+    part that returns is kept and step 0 writes every row once (``CommSchedule.home_in_kv_dtype``),
+    the home accumulator itself is in K/V's dtype: step 0's tiles write it as they write a part,
+    and the sum goes into it in place."""
 
     def __init__(self, comm, shape, dtype: torch.dtype, device, fmt, schedule: CommSchedule, kv_dtype: torch.dtype):
         self.comm, self.fmt, self.schedule, self.kv_dtype = comm, fmt, schedule, kv_dtype
-        self.acc = torch.empty((2, *shape), dtype=dtype, device=device)
         self.sd = fmt.seq_dim + 1
-        largest = schedule.largest()
-        self.parts = [_flat(self.acc, self.sd, largest) for _ in range(2)]
-        self.incoming = [_flat(self.acc, self.sd, largest) for _ in range(2)]
+        like = torch.empty((2, *shape), dtype=dtype, device="meta")   # the accumulator's shape and dtype
         # kept only where K/V's dtype is narrower than the accumulator's (fp32/fp64 K/V: nothing to save)
-        kept = schedule.kept_partials(comm.rank) if kv_dtype.itemsize < self.acc.element_size() else []
-        self.kept_buffer = _flat(self.acc, self.sd, sum(rows_in(rows) for _, rows in kept), kv_dtype)
+        narrow = kv_dtype.itemsize < like.element_size()
+        self.acc = torch.empty(like.shape, device=device,
+                               dtype=kv_dtype if narrow and schedule.home_in_kv_dtype(comm.rank) else dtype)
+        largest = schedule.largest()
+        self.parts = [_flat(like, self.sd, largest, device=device) for _ in range(2)]
+        self.incoming = [_flat(like, self.sd, largest, device=device) for _ in range(2)]
+        kept = schedule.kept_partials(comm.rank) if narrow else []
+        self.kept_buffer = _flat(like, self.sd, sum(rows_in(rows) for _, rows in kept), kv_dtype, device)
         self.kept, at = {}, 0   # step -> (its part's buffer, the rows of this rank's shard it carries)
         for i, rows in kept:
-            self.kept[i] = (_rows(self.kept_buffer[at:], self.acc, self.sd, rows_in(rows)), rows)
+            self.kept[i] = (_rows(self.kept_buffer[at:], like, self.sd, rows_in(rows)), rows)
             at += self.kept[i][0].numel()
+        self.like = like
         self.pending = None
         self.arrived = None   # (message, rows of this rank's shard it carries): added once it is in
 
@@ -587,7 +598,7 @@ class DirectDKV:
         (``CommSchedule.partial_in_kv_dtype``)."""
         if self.schedule.partial_in_kv_dtype(reader, i):
             flat = flat.view(self.kv_dtype)   # fits: K/V's dtype is never wider than the accumulator's
-        return _rows(flat, self.acc, self.sd, rows)
+        return _rows(flat, self.like, self.sd, rows)
 
     def finish(self, step: Step) -> None:
         self._land()
@@ -615,11 +626,12 @@ class DirectDKV:
             self._add(*self.arrived)
             self.arrived = None
 
-    def _add(self, message: torch.Tensor, rows) -> None:
+    def _add(self, message: torch.Tensor, rows, into: Optional[torch.Tensor] = None) -> None:
+        into = self.acc if into is None else into
         at = 0
         for p in rows:
             n = p.stop - p.start
-            self.acc.narrow(self.sd, p.start, n).add_(message.narrow(self.sd, at, n))
+            into.narrow(self.sd, p.start, n).add_(message.narrow(self.sd, at, n))
             at += n
 
     def home(self) -> torch.Tensor:
@@ -628,12 +640,13 @@ class DirectDKV:
         self._land()
         if not self.kept:
             return self.acc
-        fused = fused_for(self.acc.dtype, self.acc)
-        if fused is None:
+        fused = fused_for(self.like.dtype, self.acc)
+        if fused is None:   # each kept part added in the accumulator dtype
+            total = self.acc.to(self.like.dtype)
             for message, rows in self.kept.values():
-                self._add(message, rows)
-            return self.acc
-        out = torch.empty_like(self.acc, dtype=self.kv_dtype)
+                self._add(message, rows, total)
+            return total
+        out = self.acc if self.acc.dtype == self.kv_dtype else torch.empty_like(self.acc, dtype=self.kv_dtype)
         table, sizes = self.schedule.partial_table(self.comm.rank, self.acc.shape[self.sd], self.acc.device)
         fused.sum_partials(out, self.acc, self.kept_buffer, table, sizes, self.sd)
         return out

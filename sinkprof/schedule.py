@@ -177,6 +177,19 @@ class CommSchedule:
         return [(i, self.kv_rows((owner + i) % cp, i)) for i in range(1, cp)
                 if self.partial_in_kv_dtype((owner + i) % cp, i) and self.kv_rows((owner + i) % cp, i)]
 
+    def home_in_kv_dtype(self, owner: int) -> bool:
+        """Whether ``owner``'s own dK/dV can be held in K/V's dtype from the start under ``direct``:
+        its step 0 writes every row once (``Step.kv_cover``) and every partial that returns to it
+        is kept in K/V's dtype (``kept_partials``), so nothing is ever added into it before the
+        one sum at the end. Step 0's tiles then write it without a conversion pass (FA4 rounds a
+        tile's dK/dV to K/V's dtype itself), and the sum of the kept partials goes into it in
+        place."""
+        if self.kind is not KVSchedule.DIRECT or not self.plans[owner].steps[0].kv_cover:
+            return False
+        cp = self.cp
+        return all(self.partial_in_kv_dtype((owner + i) % cp, i) for i in range(1, cp)
+                   if self.kv_rows((owner + i) % cp, i))
+
     def partial_table(self, owner: int, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``kept_partials`` as index tensors, made once per device: int32 ``[rows, J]``, each row of
         the shard's place in partial j (-1 where it is not in it), and int64 ``[J]``, the rows of

@@ -432,11 +432,13 @@ def test_fa4_rows_backward_writes_a_tiles_dkv_into_the_views_given_and_nowhere_e
         assert (x[:, :, :around] == 7).all() and (x[:, :, around + n_kv:] == 7).all()
 
 
+@pytest.mark.parametrize("home", [torch.float32, torch.bfloat16], ids=["fp32-home", "bf16-home-in-place"])
 @pytest.mark.parametrize("layout,b,g,d", [("bshd", 2, 3, 40), ("sbhd", 2, 3, 40), ("sbhd", 4, 8, 160)],
                          ids=["bshd", "sbhd", "sbhd-two-column-blocks"])
-def test_the_fused_sum_of_kept_partials_matches_adding_them_one_after_another(layout, b, g, d):
+def test_the_fused_sum_of_kept_partials_matches_adding_them_one_after_another(layout, b, g, d, home):
     """``fused.sum_partials`` (``DirectDKV.home``): the home accumulator plus each bf16 partial on
-    the rows it carries, in one pass, equals adding them one by one in fp32, to the bit."""
+    the rows it carries, in one pass, equals adding them one by one in fp32, to the bit; a bf16
+    home (``CommSchedule.home_in_kv_dtype``) is summed into in place."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from sinkprof import fused
@@ -449,7 +451,7 @@ def test_the_fused_sum_of_kept_partials_matches_adding_them_one_after_another(la
     def like(rows, dtype):
         shape = [2, b, rows, g, d] if layout == "bshd" else [2, rows, b, g, d]
         return (torch.randn(*shape, generator=gen, device="cuda") * 3).to(dtype)
-    acc = like(S, torch.float32)
+    acc = like(S, home)
     carried = [[slice(0, 40), slice(50, 96)], [slice(10, 30)], [slice(0, 96)], [slice(95, 96), slice(0, 1)]]
     parts = [like(sum(p.stop - p.start for p in rows), torch.bfloat16) for rows in carried]
     buf = torch.cat([p.reshape(-1) for p in parts])
@@ -460,13 +462,13 @@ def test_the_fused_sum_of_kept_partials_matches_adding_them_one_after_another(la
             table[p, j] = torch.arange(at, at + p.stop - p.start, dtype=torch.int32)
             at += p.stop - p.start
     sizes = torch.tensor([p.shape[sd] for p in parts], dtype=torch.int64)
-    want = acc.clone()
+    want = acc.float()
     for part, rows in zip(parts, carried):
         at = 0
         for p in rows:
             want.narrow(sd, p.start, p.stop - p.start).add_(part.narrow(sd, at, p.stop - p.start))
             at += p.stop - p.start
-    out = torch.empty_like(acc, dtype=torch.bfloat16)
+    out = acc if home is torch.bfloat16 else torch.empty_like(acc, dtype=torch.bfloat16)
     fused.sum_partials(out, acc, buf, table.cuda(), sizes.cuda(), sd)
     torch.testing.assert_close(out, want.to(torch.bfloat16), rtol=0, atol=0)
 

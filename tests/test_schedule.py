@@ -327,3 +327,23 @@ def test_the_kept_partials_table_places_each_shard_row_in_every_partial_that_car
             want = torch.full((2 * C,), -1, dtype=torch.int32)
             want[carried] = torch.arange(len(carried), dtype=torch.int32)
             assert sizes[j] == len(carried) and torch.equal(table[:, j], want), (owner, i)
+
+
+@pytest.mark.parametrize("cp", CPS)
+@pytest.mark.parametrize("name,band", BANDS, ids=[n for n, _ in BANDS])
+def test_the_home_dkv_is_held_in_kv_dtype_only_when_nothing_is_ever_added_into_it(cp, name, band):
+    """``DirectDKV`` holds an owner's own dK/dV in K/V's dtype when its step 0 writes every row
+    once and every partial that returns to it is kept in K/V's dtype; never under ring or
+    allgather, which add into it."""
+    direct = CommSchedule(KVSchedule.DIRECT, cp, C, band)
+    for owner in range(cp):
+        returning = [i for i in range(1, cp) if direct.kv_rows((owner + i) % cp, i)]
+        kept = [i for i, _ in direct.kept_partials(owner)]
+        want = direct.plans[owner].steps[0].kv_cover and kept == returning
+        assert direct.home_in_kv_dtype(owner) is want, (name, owner)
+        for kind in (KVSchedule.RING, KVSchedule.ALLGATHER):
+            assert not CommSchedule(kind, cp, C, band).home_in_kv_dtype(owner)
+    if name in ("causal", "no_mask"):
+        assert all(direct.home_in_kv_dtype(owner) for owner in range(cp))
+    if name == "two-sided-wide":   # a step after 0 reads some rows twice: that partial comes in fp32
+        assert not all(direct.home_in_kv_dtype(owner) for owner in range(cp))
