@@ -16,6 +16,9 @@ cp in the list and each mask, every backend runs the schedule of ranks 0, cp/2 a
 the other ranks from memory, no communication) for vanilla, learnable ``step0`` and learnable
 ``post-merge``; the slowest is reported, and its rate against FA4's monolithic rate on the whole
 sequence (vanilla against vanilla, learnable against FA4 with the sink) is the ring efficiency.
+Beside it, "its calls alone": the efficiency that rank would have if its FA4 calls, each timed
+standalone at its shape in the same run as the monolithic call, were all it did (the ceiling the
+tile shapes of its steps set).
 ``--ring-backends fa4+comm`` (any backend, ``+comm``) times instead what ``cp_attention`` runs on a
 rank: ``P2PAttention``'s forward and backward (its K/V and dK/dV buffers, exchanges and passes)
 over a loopback communicator whose messages are device copies on a
@@ -333,6 +336,36 @@ def rank_flops(plan, b: int, h: int, d: int) -> int:
                for st in plan.steps for t in st.tiles)
 
 
+def rank_calls(plan) -> Optional[list[tuple[int, int, Band]]]:
+    """The kernel calls of a rank's forward, one per step's tile, as ``(query rows, key rows,
+    band)``; None where a step runs several tiles in one call (a pack's varlen groups), which
+    one dense call of a shape cannot stand for."""
+    if any(len(group) > 1 for step in plan.steps for group in step.groups):
+        return None
+    return [(t.q_rows.stop - t.q_rows.start, t.kv_rows.stop - t.kv_rows.start, t.band)
+            for step in plan.steps for t in step.tiles]
+
+
+def with_ceilings(rows: list, calls: dict, total: int, timed: dict) -> list:
+    """Each row's kernel-shape ceiling: its rank's FLOPs at FA4's monolithic vanilla rate over the
+    time FA4 takes for that rank's calls standalone (``calls``: (K/V schedule, rank) ->
+    ``rank_calls``; ``timed``: ``interleaved_ms`` of the monolithic calls and of every
+    ``f"{shape_key(...)} fwd|bwd"``): what the ring would reach if nothing but its kernel calls
+    took time."""
+    for row in rows:
+        rank_calls_ = calls.get((row["kv_schedule"], row["rank"]))
+        if rank_calls_ is None:
+            continue
+        for phase in ("fwd", "bwd"):
+            standalone = sum(timed[f"{shape_key(*c)} {phase}"]["ms"] for c in rank_calls_)
+            row[f"{phase}_ceiling"] = timed[f"fa4 vanilla {phase}"]["ms"] * row["flops"] / total / standalone
+    return rows
+
+
+def shape_key(n_q: int, n_kv: int, band: Band) -> str:
+    return f"tile {n_q}x{n_kv} {band}"
+
+
 def _timed(fns: dict, calls: int = 2, rounds: int = 15) -> tuple[dict, str]:
     """``interleaved_ms`` from CUDA graphs, or issued eagerly when a capture fails (said, and
     returned as the timing used)."""
@@ -418,20 +451,31 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
     sink = torch.randn(1, h, 1, 1, generator=gen, device="cuda") * 5
     band = make_spec("vanilla", mask, None, "bshd").band
     total = 4 * b * h * d * band.count(s, s)
-    mono = {}
+    ranks = sorted({0, cp // 2, cp - 1})
+    schedules = {kind: CommSchedule(kind, cp, s // (2 * cp), band) for kind in kinds}
+    mono, calls = {}, {}
     if "fa4" in backends():
         for tag, a in (("vanilla", None), ("learnable", sink)):
             mono[f"fa4 {tag} fwd"], mono[f"fa4 {tag} bwd"] = fa4_direct(q, k, v, band, a, d ** -0.5)
+        # every timed rank's calls at their shapes, FA4 standalone, in the same interleaved run
+        calls = {(kind.value, r): rank_calls(schedule.plans[r]) for kind, schedule in schedules.items() for r in ranks}
+        for n_q, n_kv, tile_band in sorted({c for cs in calls.values() if cs for c in cs}, key=str):
+            key = shape_key(n_q, n_kv, tile_band)
+            mono[f"{key} fwd"], mono[f"{key} bwd"] = fa4_direct(_rand(gen, b, n_q, h, d), _rand(gen, b, n_kv, g, d),
+                                                                _rand(gen, b, n_kv, g, d), tile_band, None, d ** -0.5)
     mono_ms = interleaved_ms(mono, calls=2, rounds=15)
     ks = [shard(k, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]
     vs = [shard(v, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]
     def shards(rank):
         return shard(q, cp, rank, 1).permute(0, 2, 1, 3), shard(do, cp, rank, 1).permute(0, 2, 1, 3)
     rows = []
-    for kind in kinds:
-        rows += slowest_rank(names, CommSchedule(kind, cp, s // (2 * cp), band), sorted({0, cp // 2, cp - 1}), shards,
-                             ks, vs, sink, mask, d, profile=f"cp={cp} {mask} {kind.value}" if profile else None)
-    return {"cp": cp, "shape": dict(b=b, h=h, g=g, s=s, d=d), "mask": mask, "rows": with_rates(rows, total, mono_ms)}
+    for kind, schedule in schedules.items():
+        rows += slowest_rank(names, schedule, ranks, shards, ks, vs, sink, mask, d,
+                             profile=f"cp={cp} {mask} {kind.value}" if profile else None)
+    rows = with_rates(rows, total, mono_ms)
+    if calls:
+        rows = with_ceilings(rows, calls, total, mono_ms)
+    return {"cp": cp, "shape": dict(b=b, h=h, g=g, s=s, d=d), "mask": mask, "rows": rows}
 
 
 PACK_MASK = "causal"
@@ -611,6 +655,8 @@ def _print_rows(rows: list, against: str) -> None:
     for row in rows:
         eff = (f" | vs {against} fwd {row['fwd_vs_fa4_mono']:.3f} bwd {row['bwd_vs_fa4_mono']:.3f}"
                if "fwd_vs_fa4_mono" in row else "")
+        if "fwd_ceiling" in row:
+            eff += f" (its calls alone: {row['fwd_ceiling']:.3f} / {row['bwd_ceiling']:.3f})"
         print(f"{row['backend']:12s} {row['kv_schedule']:9s} {row['layout']:8s} {row['variant']:21s} rank {row['rank']}: "
               f"fwd {row['fwd_tflops']:6.1f} "
               f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step")

@@ -242,3 +242,32 @@ def test_the_loopback_never_feeds_zeros(bk):
     comm.post([(send, 1)], [(same, 3)], "kv", "fwd", 3).wait()
     assert torch.equal(same, send)
     assert comm.received[("fwd", "kv")] == 3
+
+
+def test_a_ranks_calls_are_its_steps_tiles_and_its_ceiling_their_standalone_time(bk):
+    """The kernel-shape ceiling of a ring: a causal cp 8 rank's calls are its step-0 causal tile
+    and one full tile a step (rank 4: four of all its rows against the first chunk, then three of
+    its second chunk against whole shards); its ceiling is its share of FA4's monolithic time over
+    those calls' standalone times. A pack's varlen groups have no dense shape: no ceiling."""
+    from sinkprof.options import Band, KVSchedule
+    from sinkprof.schedule import CommSchedule
+    c = 4096
+    schedule = CommSchedule(KVSchedule.DIRECT, 8, c, Band(None, 0))
+    calls = bk.rank_calls(schedule.plans[4])
+    assert calls == [(2 * c, 2 * c, Band(None, 0))] + [(2 * c, c, Band())] * 4 + [(c, 2 * c, Band())] * 3
+    assert bk.rank_calls(schedule.plans[0]) == [(2 * c, 2 * c, Band(None, 0))] + [(c, 2 * c, Band())] * 7
+    timed = {"fa4 vanilla fwd": {"ms": 16.0}, "fa4 vanilla bwd": {"ms": 40.0}}
+    for (n_q, n_kv, band), fwd in {(2 * c, 2 * c, Band(None, 0)): 0.5, (2 * c, c, Band()): 0.25,
+                                   (c, 2 * c, Band()): 0.2}.items():
+        timed[f"{bk.shape_key(n_q, n_kv, band)} fwd"] = {"ms": fwd}
+        timed[f"{bk.shape_key(n_q, n_kv, band)} bwd"] = {"ms": 2.5 * fwd}
+    rows = [dict(kv_schedule="direct", rank=4, flops=1), dict(kv_schedule="ring", rank=4, flops=1)]
+    out = bk.with_ceilings(rows, {("direct", 4): calls}, 8, timed)
+    standalone = 0.5 + 4 * 0.25 + 3 * 0.2
+    assert out[0]["fwd_ceiling"] == pytest.approx(16.0 / 8 / standalone)
+    assert out[0]["bwd_ceiling"] == pytest.approx(40.0 / 8 / (2.5 * standalone))
+    assert "fwd_ceiling" not in out[1]
+    docs = bk.pack_lengths(16 * 2 * 6, 8 * 2, 32 * 2, 4, seed=2)
+    pack = CommSchedule(KVSchedule.ALLGATHER, 2, tuple(n // 4 for n in docs), Band(None, 0))
+    assert any(len(gr) > 1 for st in pack.plans[0].steps for gr in st.groups)
+    assert bk.rank_calls(pack.plans[0]) is None
