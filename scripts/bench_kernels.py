@@ -16,9 +16,13 @@ cp in the list and each mask, every backend runs the schedule of ranks 0, cp/2 a
 the other ranks from memory, no communication) for vanilla, learnable ``step0`` and learnable
 ``post-merge``; the slowest is reported, and its rate against FA4's monolithic rate on the whole
 sequence (vanilla against vanilla, learnable against FA4 with the sink) is the ring efficiency.
-Beside it, "its calls alone": the efficiency that rank would have if its FA4 calls, each timed
-standalone at its shape in the same run as the monolithic call, were all it did (the ceiling the
-tile shapes of its steps set).
+Beside each fa4 vanilla row, "its calls standalone": the efficiency that rank would have if its FA4
+calls, each timed standalone at its shape in the same run as the monolithic call, were all it did
+(what the tile shapes of its steps cost; not an upper bound on the backward, where each standalone
+call pays FA4's pre- and post-processing passes that the ring pays once per row), and "joined into
+runs": the same were each run of its later steps over the same query rows one call over their
+owners' K/V side by side (``joined_calls``; not what the ring runs: what such a ring's calls would
+cost).
 ``--ring-backends fa4+comm`` (any backend, ``+comm``) times instead what ``cp_attention`` runs on a
 rank: ``P2PAttention``'s forward and backward (its K/V and dK/dV buffers, exchanges and passes)
 over a loopback communicator whose messages are device copies on a
@@ -261,8 +265,8 @@ class Loopback:
 
     A kept buffer holds standard normal values, as the benchmark's inputs do, never zeros: on the
     H200 FA4 ran a 4096 x 8192 tile 5% (forward) and 3% (backward) faster on all-zero K/V than on
-    normal values, which made the ranks whose messages all came from zeros look faster than FA4
-    monolithic."""
+    normal values, which made the ranks whose messages all came from zeros look faster than
+    they are."""
 
     def __init__(self, rank: int, size: int, device):
         self.rank, self.size = rank, size
@@ -346,19 +350,42 @@ def rank_calls(plan) -> Optional[list[tuple[int, int, Band]]]:
             for step in plan.steps for t in step.tiles]
 
 
-def with_ceilings(rows: list, calls: dict, total: int, timed: dict) -> list:
-    """Each row's kernel-shape ceiling: its rank's FLOPs at FA4's monolithic vanilla rate over the
-    time FA4 takes for that rank's calls standalone (``calls``: (K/V schedule, rank) ->
-    ``rank_calls``; ``timed``: ``interleaved_ms`` of the monolithic calls and of every
-    ``f"{shape_key(...)} fwd|bwd"``): what the ring would reach if nothing but its kernel calls
-    took time."""
+def joined_calls(plan) -> Optional[list[tuple[int, int, Band]]]:
+    """``rank_calls`` were each run of later steps that one call could take joined into that call:
+    consecutive steps after step 0 with one full tile each over the same query rows, reading all
+    the step holds (their owners' K/V side by side in one buffer, one call over all of it). Step 0
+    stays apart: it computes while the first messages travel."""
+    if rank_calls(plan) is None:
+        return None
+    out, last = [], None
+    for step in plan.steps:
+        for t in step.tiles:
+            n_q, n_kv = t.q_rows.stop - t.q_rows.start, t.kv_rows.stop - t.kv_rows.start
+            joins = (step.index > 0 and len(step.tiles) == 1 and t.band == Band()
+                     and t.kv_rows == slice(0, step.held_rows))
+            if joins and last == t.q_rows:
+                out[-1] = (n_q, out[-1][1] + n_kv, t.band)
+            else:
+                out.append((n_q, n_kv, t.band))
+            last = t.q_rows if joins else None
+    return out
+
+
+def with_standalone_calls(rows: list, calls: dict, total: int, timed: dict, label: str = "calls") -> list:
+    """Each fa4 vanilla row's efficiency if its rank's FA4 calls, timed standalone, were all it did:
+    its FLOPs at FA4's monolithic vanilla rate over the sum of those calls' times (``calls``:
+    (K/V schedule, rank) -> ``rank_calls`` or ``joined_calls``, named by ``label`` in the row's
+    keys; ``timed``: ``interleaved_ms`` of the monolithic calls and of every
+    ``f"{shape_key(...)} fwd|bwd"``). The calls are timed without the sink, so only vanilla rows
+    get it, and only FA4's: the other backends' calls were not timed."""
     for row in rows:
         rank_calls_ = calls.get((row["kv_schedule"], row["rank"]))
-        if rank_calls_ is None:
+        if rank_calls_ is None or not row["backend"].startswith("fa4") or not row["variant"].startswith("vanilla"):
             continue
         for phase in ("fwd", "bwd"):
             standalone = sum(timed[f"{shape_key(*c)} {phase}"]["ms"] for c in rank_calls_)
-            row[f"{phase}_ceiling"] = timed[f"fa4 vanilla {phase}"]["ms"] * row["flops"] / total / standalone
+            row[f"{phase}_vs_fa4_mono_{label}_standalone"] = (
+                timed[f"fa4 vanilla {phase}"]["ms"] * row["flops"] / total / standalone)
     return rows
 
 
@@ -459,7 +486,9 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
             mono[f"fa4 {tag} fwd"], mono[f"fa4 {tag} bwd"] = fa4_direct(q, k, v, band, a, d ** -0.5)
         # every timed rank's calls at their shapes, FA4 standalone, in the same interleaved run
         calls = {(kind.value, r): rank_calls(schedule.plans[r]) for kind, schedule in schedules.items() for r in ranks}
-        for n_q, n_kv, tile_band in sorted({c for cs in calls.values() if cs for c in cs}, key=str):
+        runs = {(kind.value, r): joined_calls(schedule.plans[r]) for kind, schedule in schedules.items() for r in ranks}
+        shapes = {c for cs in (*calls.values(), *runs.values()) if cs for c in cs}
+        for n_q, n_kv, tile_band in sorted(shapes, key=str):
             key = shape_key(n_q, n_kv, tile_band)
             mono[f"{key} fwd"], mono[f"{key} bwd"] = fa4_direct(_rand(gen, b, n_q, h, d), _rand(gen, b, n_kv, g, d),
                                                                 _rand(gen, b, n_kv, g, d), tile_band, None, d ** -0.5)
@@ -474,7 +503,8 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
                              profile=f"cp={cp} {mask} {kind.value}" if profile else None)
     rows = with_rates(rows, total, mono_ms)
     if calls:
-        rows = with_ceilings(rows, calls, total, mono_ms)
+        rows = with_standalone_calls(rows, calls, total, mono_ms)
+        rows = with_standalone_calls(rows, runs, total, mono_ms, "runs")
     return {"cp": cp, "shape": dict(b=b, h=h, g=g, s=s, d=d), "mask": mask, "rows": rows}
 
 
@@ -621,7 +651,8 @@ def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names
 
 def _profile_step(title: str, fwd, bwd) -> None:
     """Where one warm ring's time goes: the CUDA kernels of a forward and a backward, by total
-    time, then one by one in the order they started (microseconds from the first; the stream)."""
+    time, then one by one in the order they started (microseconds from the first; the CUDA
+    stream)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
@@ -636,7 +667,7 @@ def _profile_step(title: str, fwd, bwd) -> None:
         t0 = kernels[0].time_range.start
         print("start us   took us  stream  kernel")
         for e in kernels:
-            print(f"{e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():9.1f}  {e.thread:6d}  {e.name[:90]}")
+            print(f"{e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():9.1f}  {e.device_resource_id:6d}  {e.name[:90]}")
 
 
 CONFIGS = {"h16-d128": (16, 16, 128), "h32-d128": (32, 32, 128), "gpt-oss": (64, 8, 64)}
@@ -655,8 +686,10 @@ def _print_rows(rows: list, against: str) -> None:
     for row in rows:
         eff = (f" | vs {against} fwd {row['fwd_vs_fa4_mono']:.3f} bwd {row['bwd_vs_fa4_mono']:.3f}"
                if "fwd_vs_fa4_mono" in row else "")
-        if "fwd_ceiling" in row:
-            eff += f" (its calls alone: {row['fwd_ceiling']:.3f} / {row['bwd_ceiling']:.3f})"
+        if "fwd_vs_fa4_mono_calls_standalone" in row:
+            eff += (f" (its calls standalone: {row['fwd_vs_fa4_mono_calls_standalone']:.3f}"
+                    f" / {row['bwd_vs_fa4_mono_calls_standalone']:.3f}; joined into runs:"
+                    f" {row['fwd_vs_fa4_mono_runs_standalone']:.3f} / {row['bwd_vs_fa4_mono_runs_standalone']:.3f})")
         print(f"{row['backend']:12s} {row['kv_schedule']:9s} {row['layout']:8s} {row['variant']:21s} rank {row['rank']}: "
               f"fwd {row['fwd_tflops']:6.1f} "
               f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step")

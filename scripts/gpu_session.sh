@@ -7,7 +7,7 @@
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
-# layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12
+# layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 rings12 tests12
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -316,6 +316,14 @@ if [[ $what == *" verify12 "* ]]; then   # <= 560 s: not yet run. Issue 15's pac
   run check_direct12 260 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a+p2p --softmax all \
       --mask all --kv-schedule direct --dtype bf16,fp16 --sink-strategy all --batch 2 --seq-len 4096 --heads 8 \
       --kv-heads 4 --head-dim 128 --format json --output "$OUT/check_direct12.json"
+fi
+if [[ $what == *" rings12 "* ]]; then   # <= 560 s: issue 11's rings at HEAD, with each rank's calls standalone and
+  # joined into runs timed in the same run (what bigger calls would give)
+  run ring_bench12 560 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4,8;gpt-oss:8" \
+      --ring-backends fa4+comm --out "$OUT/ring_bench12.json"
+fi
+if [[ $what == *" tests12 "* ]]; then   # <= 560 s: the GPU tests of the home dK/dV in K/V's dtype and of graph capture
+  run gpu_tests12 560 python3 -m pytest -q -x tests/test_gpu.py -k "sum_of_kept or direct_backward_on_fa4 or cuda_graph"
 fi
 if [[ $what == *" rings11 "* ]]; then   # <= 420 s: issue 11's rings with the loopback feeding normal values, not zeros
   run ring_bench11 420 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4,8;gpt-oss:8" \

@@ -156,7 +156,8 @@ class LocalDKV:
     def start(self, step: Step):
         dk, dv = self._home(step.kv_rank)
         narrow = self.schedule.partial_in_kv_dtype(self.reader, step.index) or (
-            step.index == 0 and self.schedule.home_in_kv_dtype(self.reader))
+            step.index == 0 and self.kv_dtype.itemsize < dk.element_size()
+            and self.schedule.home_in_kv_dtype(self.reader))
         if _whole(step, dk.shape[2]) and not step.gathered and not narrow:
             self.part = None
             return dk, dv, False
@@ -590,6 +591,8 @@ class DirectDKV:
         i = step.index
         part = self.acc if i == 0 else self._part(self.parts[i % 2], self.comm.rank, i, step.held_rows)
         if not step.kv_cover:
+            # never step 0 of a home held in K/V's dtype (``home_in_kv_dtype``), but under a fault
+            # that rewrites the plan (``Fault.DOC_LEAK``): its tiles then add in K/V's dtype
             part.zero_()
         return self.fmt.to_bhsd(part[0]), self.fmt.to_bhsd(part[1]), step.kv_cover
 
@@ -636,7 +639,7 @@ class DirectDKV:
 
     def home(self) -> torch.Tensor:
         """``[2, *kv_shape]``: this rank's own dK and dV, summed over every rank's tiles (in K/V's
-        dtype where parts were kept, else the accumulator's)."""
+        dtype where parts were kept or the home accumulator is held in it, else the accumulator's)."""
         self._land()
         if not self.kept:
             return self.acc
