@@ -18,11 +18,10 @@ the other ranks from memory, no communication) for vanilla, learnable ``step0`` 
 sequence (vanilla against vanilla, learnable against FA4 with the sink) is the ring efficiency.
 Beside each fa4 vanilla row, "its calls standalone": the efficiency that rank would have if its FA4
 calls, each timed standalone at its shape in the same run as the monolithic call, were all it did
-(what the tile shapes of its steps cost; not an upper bound on the backward, where each standalone
-call pays FA4's pre- and post-processing passes that the ring pays once per row), and "joined into
-runs": the same were each run of its later steps over the same query rows one call over their
-owners' K/V side by side (``joined_calls``; not what the ring runs: what such a ring's calls would
-cost).
+(what the tile shapes of its steps cost: the forward's runs of steps joined as the ring runs them,
+``plan.join_runs``; not an upper bound on the backward, where each standalone call pays FA4's pre-
+and post-processing passes that the ring pays once per row), and "the backward's joined into
+runs": the same were the backward's runs joined likewise (it is not: what that would give).
 ``--ring-backends fa4+comm`` (any backend, ``+comm``) times instead what ``cp_attention`` runs on a
 rank: ``P2PAttention``'s forward and backward (its K/V and dK/dV buffers, exchanges and passes)
 over a loopback communicator whose messages are device copies on a
@@ -65,9 +64,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sinkprof import fused  # noqa: E402
 from sinkprof.kernels import get_kernel, unavailable_reason  # noqa: E402
 from sinkprof.options import Band, CPOptions, KVSchedule, PackLayout, SinkStrategy, make_spec  # noqa: E402
-from sinkprof.plan import shard, spec_layout  # noqa: E402
-from sinkprof.ring import (BackwardState, ForwardState, LocalDKV, LocalKV, P2PAttention, run_backward,  # noqa: E402
-                           run_forward)
+from sinkprof.plan import join_runs, shard, spec_layout  # noqa: E402
+from sinkprof.ring import (BackwardState, ForwardState, LocalDKV, LocalKV, P2PAttention, forward_plan,  # noqa: E402
+                           run_backward, run_forward)
 from sinkprof.schedule import CommSchedule  # noqa: E402
 from sinkprof.sink import merge_parts_, sink_grad  # noqa: E402
 
@@ -217,11 +216,13 @@ class RankRing:
 
 def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d, rows_path=True) -> RankRing:
     """One rank's whole schedule into preallocated buffers (every step reads its owner's shard in
-    place; under allgather the sequence is put together once, before the timed calls);
+    place; under allgather the sequence, and under direct each forward run's K/V (``Step.joins``),
+    are put together once, before the timed calls);
     ``rows_path``: FA4's backward keeps dq across tiles (False: tile by tile)."""
     plan = schedule.plans[rank]
     b, h = qh.shape[:2]
     opts = CPOptions(make_spec(softmax, mask, None, "bshd"), d ** -0.5, kernel, strategy)
+    forward = forward_plan(schedule, rank, qh.transpose(1, 2), opts.spec.qkv_format, False)   # runs joined
     a = sink if softmax == "learnable" else None
     # buffers laid out as the ring lays them out (the user's bshd storage, seen as bhsd)
     lse = torch.empty(b, h, qh.shape[2], dtype=torch.float32, device=qh.device)
@@ -229,13 +230,13 @@ def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, 
     dq = torch.empty_like(qh)
     dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
     dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
-    fwd_state = ForwardState.make(plan, qh, out, lse)
+    fwd_state = ForwardState.make(forward, qh, out, lse)
     bwd_state = BackwardState(qh, out, dol, lse, dq)
     # made once: under allgather the K/V in sequence order are gathered at the first call, not timed
     kv_fwd, kv_bwd = LocalKV(ks, vs, schedule, rank, "fwd"), LocalKV(ks, vs, schedule, rank, "bwd")
 
     def fwd():
-        run_forward(plan, kv_fwd, state=fwd_state, sink=a, bias=None, opts=opts)
+        run_forward(forward, kv_fwd, state=fwd_state, sink=a, bias=None, opts=opts)
 
     def bwd():
         if kernel.name == "fa4":
@@ -350,39 +351,20 @@ def rank_calls(plan) -> Optional[list[tuple[int, int, Band]]]:
             for step in plan.steps for t in step.tiles]
 
 
-def joined_calls(plan) -> Optional[list[tuple[int, int, Band]]]:
-    """``rank_calls`` were each run of later steps that one call could take joined into that call:
-    consecutive steps after step 0 with one full tile each over the same query rows, reading all
-    the step holds (their owners' K/V side by side in one buffer, one call over all of it). Step 0
-    stays apart: it computes while the first messages travel."""
-    if rank_calls(plan) is None:
-        return None
-    out, last = [], None
-    for step in plan.steps:
-        for t in step.tiles:
-            n_q, n_kv = t.q_rows.stop - t.q_rows.start, t.kv_rows.stop - t.kv_rows.start
-            joins = (step.index > 0 and len(step.tiles) == 1 and t.band == Band()
-                     and t.kv_rows == slice(0, step.held_rows))
-            if joins and last == t.q_rows:
-                out[-1] = (n_q, out[-1][1] + n_kv, t.band)
-            else:
-                out.append((n_q, n_kv, t.band))
-            last = t.q_rows if joins else None
-    return out
-
-
 def with_standalone_calls(rows: list, calls: dict, total: int, timed: dict, label: str = "calls") -> list:
     """Each fa4 vanilla row's efficiency if its rank's FA4 calls, timed standalone, were all it did:
     its FLOPs at FA4's monolithic vanilla rate over the sum of those calls' times (``calls``:
-    (K/V schedule, rank) -> ``rank_calls`` or ``joined_calls``, named by ``label`` in the row's
-    keys; ``timed``: ``interleaved_ms`` of the monolithic calls and of every
-    ``f"{shape_key(...)} fwd|bwd"``). The calls are timed without the sink, so only vanilla rows
-    get it, and only FA4's: the other backends' calls were not timed."""
+    (K/V schedule, rank, phase) -> ``rank_calls``, named by ``label`` in the row's keys;
+    ``timed``: ``interleaved_ms`` of the monolithic calls and of every ``f"{shape_key(...)}
+    fwd|bwd"``). The calls are timed without the sink, so only vanilla rows get it, and only
+    FA4's: the other backends' calls were not timed."""
     for row in rows:
-        rank_calls_ = calls.get((row["kv_schedule"], row["rank"]))
-        if rank_calls_ is None or not row["backend"].startswith("fa4") or not row["variant"].startswith("vanilla"):
+        if not row["backend"].startswith("fa4") or not row["variant"].startswith("vanilla"):
             continue
         for phase in ("fwd", "bwd"):
+            rank_calls_ = calls.get((row["kv_schedule"], row["rank"], phase))
+            if rank_calls_ is None:
+                continue
             standalone = sum(timed[f"{shape_key(*c)} {phase}"]["ms"] for c in rank_calls_)
             row[f"{phase}_vs_fa4_mono_{label}_standalone"] = (
                 timed[f"fa4 vanilla {phase}"]["ms"] * row["flops"] / total / standalone)
@@ -485,8 +467,14 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
         for tag, a in (("vanilla", None), ("learnable", sink)):
             mono[f"fa4 {tag} fwd"], mono[f"fa4 {tag} bwd"] = fa4_direct(q, k, v, band, a, d ** -0.5)
         # every timed rank's calls at their shapes, FA4 standalone, in the same interleaved run
-        calls = {(kind.value, r): rank_calls(schedule.plans[r]) for kind, schedule in schedules.items() for r in ranks}
-        runs = {(kind.value, r): joined_calls(schedule.plans[r]) for kind, schedule in schedules.items() for r in ranks}
+        # (the forward's with its runs of steps joined, as the ring runs them; the backward's also as
+        # they would be joined: what joining its runs would give)
+        calls, runs = {}, {}
+        for kind, schedule in schedules.items():
+            for r in ranks:
+                calls[(kind.value, r, "fwd")] = rank_calls(schedule.forward_plans[r])
+                calls[(kind.value, r, "bwd")] = rank_calls(schedule.plans[r])
+                runs[(kind.value, r, "bwd")] = rank_calls(join_runs(schedule.plans[r]))
         shapes = {c for cs in (*calls.values(), *runs.values()) if cs for c in cs}
         for n_q, n_kv, tile_band in sorted(shapes, key=str):
             key = shape_key(n_q, n_kv, tile_band)
@@ -688,8 +676,8 @@ def _print_rows(rows: list, against: str) -> None:
                if "fwd_vs_fa4_mono" in row else "")
         if "fwd_vs_fa4_mono_calls_standalone" in row:
             eff += (f" (its calls standalone: {row['fwd_vs_fa4_mono_calls_standalone']:.3f}"
-                    f" / {row['bwd_vs_fa4_mono_calls_standalone']:.3f}; joined into runs:"
-                    f" {row['fwd_vs_fa4_mono_runs_standalone']:.3f} / {row['bwd_vs_fa4_mono_runs_standalone']:.3f})")
+                    f" / {row['bwd_vs_fa4_mono_calls_standalone']:.3f}; the backward's joined into runs:"
+                    f" {row['bwd_vs_fa4_mono_runs_standalone']:.3f})")
         print(f"{row['backend']:12s} {row['kv_schedule']:9s} {row['layout']:8s} {row['variant']:21s} rank {row['rank']}: "
               f"fwd {row['fwd_tflops']:6.1f} "
               f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step")

@@ -7,7 +7,7 @@
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
-# layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 rings12 tests12
+# layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -316,6 +316,14 @@ if [[ $what == *" verify12 "* ]]; then   # <= 560 s: not yet run. Issue 15's pac
   run check_direct12 260 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a+p2p --softmax all \
       --mask all --kv-schedule direct --dtype bf16,fp16 --sink-strategy all --batch 2 --seq-len 4096 --heads 8 \
       --kv-heads 4 --head-dim 128 --format json --output "$OUT/check_direct12.json"
+fi
+if [[ $what == *" runs12 "* ]]; then   # <= 560 s: the forward's joined runs of steps on the GPU: its tests (fa4 and
+  # cudnn tiles, b 1 and sbhd, cp 2-8), graph capture, the home dK/dV tests, and the 4-rank check with b = 1 (runs joined)
+  run gpu_tests_runs12 300 python3 -m pytest -q tests/test_gpu.py \
+      -k "joined_runs or cuda_graph or sum_of_kept or direct_backward_on_fa4"
+  run check_runs12 250 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a+p2p --softmax all \
+      --mask all --kv-schedule direct --dtype bf16,fp16 --sink-strategy all --batch 1 --seq-len 8192 --heads 8 \
+      --kv-heads 4 --head-dim 128 --format json --output "$OUT/check_runs12.json"
 fi
 if [[ $what == *" rings12 "* ]]; then   # <= 560 s: issue 11's rings at HEAD, with each rank's calls standalone and
   # joined into runs timed in the same run (what bigger calls would give)

@@ -17,7 +17,7 @@ from .a2a import join_outer
 from .kernels import TorchTiles
 from .options import AttnSpec, CPOptions, KVSchedule, QKVFormat, SinkStrategy, accum_dtype, check_a2a_size, check_heads, check_scale
 from .plan import shard, spec_layout, unshard
-from .ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, run_backward, run_forward
+from .ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, forward_plan, run_backward, run_forward
 from .schedule import comm_schedule, row_bytes
 from .sink import sink_logits
 from .testing import Inputs, Result
@@ -66,8 +66,9 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
         # NaN-filled: a row the plan forgets to write (or reads before writing) shows in the result
         lse = torch.full((qs[r].shape[1 - sd], h, qs[r].shape[sd]), float("nan"), dtype=acc, device=dev)
         out = torch.full_like(qs[r], float("nan"))
-        run_forward(plans[r], LocalKV(bhsd(ks), bhsd(vs), schedule, r, "fwd"),
-                    state=ForwardState.make(plans[r], fmt.to_bhsd(qs[r]), fmt.to_bhsd(out), lse, fill=float("nan")),
+        plan = forward_plan(schedule, r, ks[r], fmt, inputs.bias is not None)
+        run_forward(plan, LocalKV(bhsd(ks), bhsd(vs), schedule, r, "fwd"),
+                    state=ForwardState.make(plan, fmt.to_bhsd(qs[r]), fmt.to_bhsd(out), lse, fill=float("nan")),
                     sink=sink, bias=biases[r], opts=opts)
         outs.append(out)
         lses.append(lse)

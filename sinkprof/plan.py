@@ -43,6 +43,7 @@ from .options import BALANCED_RUNS, AttnSpec, Band, KVSchedule, PackLayout, doc_
 
 
 PARTS = 8   # later tiles' results waiting for their merge at most: the forward's memory is PARTS x the rank's o
+RUN_ROWS = 16384   # K/V rows of a run of forward steps joined into one call (``join_runs``) at most
 BALANCE = 1e-3   # the balanced layout's work per rank: within this fraction of the mean where it can be
 # The orders the light end of a two-ended fill takes documents in (lower first): by the first row
 # left (the lightest rows), and two mixes of that and the rows left (whole short documents first).
@@ -75,6 +76,9 @@ class Step:
     merges: int = 0                 # once this step's tiles are in: merge buffers 0..merges-1 into the rows' result
     gathered: bool = False          # the buffer holds rows of the sequence from every rank (``held`` and ``reads``
                                     # in sequence rows; ``KVSchedule.ALLGATHER``), not one owner's rows
+    joins: tuple[int, ...] = ()     # the forward's run of steps computed as one (``join_runs``): the earlier steps
+                                    # whose held rows come before this step's own in its K/V buffer (they have no
+                                    # tiles; their messages land in this step's buffer)
 
     @property
     def held_rows(self) -> int:
@@ -142,6 +146,37 @@ class RankPlan:
     def backward_steps(self) -> tuple[Step, ...]:
         """Backward visits the forward steps in ring order (dK/dV travel one hop behind K/V)."""
         return self.steps
+
+    @functools.cached_property
+    def landing(self) -> dict[int, tuple[int, int]]:
+        """Each step's (after step 0) K/V rows: ``(the step whose buffer holds them, their first row
+        there)``: its own buffer, or that of the step its run is computed at (``Step.joins``)."""
+        out = {}
+        for step in self.steps[1:]:
+            at = 0
+            for j in (*step.joins, step.index):
+                out[j] = (step.index, at)
+                at += self.steps[j].held_rows
+        return out
+
+    @functools.cached_property
+    def posted_at(self) -> dict[int, int]:
+        """Under ``direct``, the step at whose start each later step's K/V messages are posted: the
+        step that computes before its run (``landing``), so that they are in flight while it
+        computes; every step's predecessor where every step computes."""
+        out, last = {}, 0
+        for step in self.steps[1:]:
+            if self.landing[step.index][0] == step.index:
+                for j in (*step.joins, step.index):
+                    out[j] = last
+                last = step.index
+        return out
+
+    @functools.cached_property
+    def buffer_rows(self) -> int:
+        """The most K/V rows one step's buffer holds after step 0 (a run's: every step of it)."""
+        return max((sum(self.steps[j].held_rows for j in (*s.joins, s.index)) for s in self.steps[1:]
+                    if s.index in self.landing and self.landing[s.index][0] == s.index), default=0)
 
 
 def rows_in(parts) -> int:
@@ -714,6 +749,48 @@ def _packed(step: Step) -> Step:
         start = starts[n] + tile.kv_rows.start - part.start
         tiles.append(dataclasses.replace(tile, kv_rows=slice(start, start + tile.kv_rows.stop - tile.kv_rows.start)))
     return dataclasses.replace(step, tiles=tuple(tiles), held=step.reads)
+
+
+def join_runs(plan: RankPlan, max_rows: int = RUN_ROWS) -> RankPlan:
+    """The forward of ``plan`` with each run of later steps that one kernel call can take computed
+    as one: consecutive steps after step 0 with one tile each, over the same query rows, under a
+    full band, reading every row the step holds (under ``direct``: a causal rank's steps 1..r, its
+    steps r+1..cp-1, a full mask's later steps), their held rows together at most ``max_rows``.
+    The run's last step computes one tile over its K/V buffer, which holds the rows of every step
+    of the run side by side (``Step.joins``); the earlier ones have no tiles. Messages, their rows
+    and their bytes stay per step; only where they land and when they are computed change. FA4's
+    rate grows with a call's key loop (docs/design.md, section 7): one 8192 x 16384 call runs at
+    664 TFLOP/s on the H200 where four 8192 x 4096 ones run at 616."""
+    def joinable(step: Step) -> bool:
+        return (step.index > 0 and not step.gathered and len(step.tiles) == 1 and len(step.held) == 1
+                and step.tiles[0].band == Band() and not step.tiles[0].sink
+                and step.tiles[0].kv_rows == slice(0, step.held_rows))
+
+    out: list[Step] = [plan.steps[0]]
+    run: list[Step] = []
+
+    def flush() -> None:
+        if len(run) > 1:
+            rows = sum(s.held_rows for s in run)
+            out.extend(dataclasses.replace(s, tiles=(), merges=0) for s in run[:-1])
+            tile = dataclasses.replace(run[-1].tiles[0], kv_rows=slice(0, rows))
+            out.append(dataclasses.replace(run[-1], tiles=(tile,), joins=tuple(s.index for s in run[:-1])))
+        else:
+            out.extend(run)
+        run.clear()
+
+    for step in plan.steps[1:]:
+        if run and not (joinable(step) and step.tiles[0].q_rows == run[0].tiles[0].q_rows
+                        and sum(s.held_rows for s in run) + step.held_rows <= max_rows):
+            flush()
+        if joinable(step):
+            run.append(step)
+        else:
+            out.append(step)
+    flush()
+    if all(not s.joins for s in out):
+        return plan
+    return dataclasses.replace(plan, steps=_with_parts(out))
 
 
 def _overlaps(rows: list[slice], taken: list[slice]) -> bool:

@@ -87,13 +87,15 @@ class LocalKV:
     A step holding its owner's whole shard reads it in place. Otherwise (the direct schedule) the
     step's buffer receives only the rows the owner sends (``schedule.kv_rows``, through
     ``faults.active.sent_rows``), every other row is NaN, and a tile that reads a row which did
-    not arrive raises ``MissingRows``. A gathered step (``allgather``) reads the rows of the
-    sequence it holds, every owner's put in place (``CommSchedule.gather_index``), once per
-    ``LocalKV`` (the shards must not change while it is in use)."""
+    not arrive raises ``MissingRows``. The last step of a forward run (``Step.joins``) reads every
+    step's buffer of the run side by side. A gathered step (``allgather``) reads the rows of the
+    sequence it holds, every owner's put in place (``CommSchedule.gather_index``); both are put
+    together once per ``LocalKV`` (the shards must not change while it is in use)."""
 
     def __init__(self, ks, vs, schedule: CommSchedule, reader: int, phase: str):
         self.ks, self.vs, self.schedule, self.reader, self.phase = ks, vs, schedule, reader, phase
         self.buffer = None
+        self.runs: dict = {}   # a run's last step -> its buffers, put together once
 
     def get(self, step: Step):
         if step.gathered:
@@ -108,6 +110,19 @@ class LocalKV:
                     out.append(buf)
                 self.buffer = tuple(out)
             return self.buffer
+        if not step.tiles:   # nothing reads it (a step of a run reads in the run's last step)
+            return None, None
+        if step.joins:   # a run of steps: their rows side by side, each step's as it holds them alone
+            if step.index not in self.runs:
+                steps = self.schedule.plans[self.reader].steps
+                held = [self._held(steps[j]) for j in (*step.joins, step.index)]
+                self.runs[step.index] = tuple(torch.cat([h[n] for h in held], dim=2) for n in (0, 1))
+            return self.runs[step.index]
+        return self._held(step)
+
+    def _held(self, step: Step):
+        """The step's buffer: the rows its owner sent, NaN elsewhere; ``MissingRows`` if a tile
+        reads one that did not arrive."""
         k, v = self.ks[step.kv_rank], self.vs[step.kv_rank]
         shard = k.shape[2]
         sent = self.schedule.kv_rows(self.reader, step.index)
@@ -468,36 +483,54 @@ def _message(x: torch.Tensor, seq_dim: int, parts, buffer) -> torch.Tensor:
 class DirectKV:
     """K/V of each step straight from its owner, only the rows its tiles read (``Step.held``).
 
-    As step i starts, step i+1's messages are posted as one batch: this rank's rows that its
-    reader ``rank + i + 1`` reads, and the rows it reads of owner ``rank - i - 1``; they are in
-    flight while step i computes. A step that reads nothing receives nothing; step 0 reads the
-    local shard."""
+    Each step's messages are one batch: this rank's rows that its reader ``rank + i`` reads, and
+    the rows it reads of owner ``rank - i``. As a step that computes starts, the batches of every
+    step up to the next one that computes are posted: step i+1's alone where every step computes,
+    a whole run's where the forward joins a run of steps into its last one (``Step.joins``, their
+    rows side by side in one buffer), so they are in flight while this step computes. Buffers
+    alternate between the steps that compute after step 0; step 0 reads the local shard. A step
+    that reads nothing receives nothing.
 
-    def __init__(self, comm, kv: torch.Tensor, fmt, phase: str, schedule: CommSchedule):
-        """``kv``: this rank's K and V, ``stacked``."""
-        self.comm, self.fmt, self.phase, self.schedule = comm, fmt, phase, schedule
-        self.plan = schedule.plans[comm.rank]
+    A run's messages are in flight at once, so they are sent from the owner's memory, never packed
+    (``CommSchedule.forward_plans`` joins runs only where every message is one range of rows), and
+    land in place: the buffer's rows must be contiguous per step, rows outermost (``runs_fit``)."""
+
+    def __init__(self, comm, kv: torch.Tensor, fmt, phase: str, schedule: CommSchedule, plan: RankPlan):
+        """``kv``: this rank's K and V, ``stacked``; ``plan``: the steps this rank runs (the forward's
+        runs joined, or not)."""
+        self.comm, self.fmt, self.phase, self.schedule, self.plan = comm, fmt, phase, schedule, plan
         self.own = kv
         self.sd = fmt.seq_dim
-        largest = schedule.largest()
-        self.bufs = [_flat(self.own, self.sd, largest) for _ in range(2)]
+        self.bufs = [_flat(self.own, self.sd, plan.buffer_rows) for _ in range(2)]
+        computing = [s.index for s in plan.steps[1:] if plan.landing[s.index][0] == s.index]
+        self.parity = {i: n % 2 for n, i in enumerate(computing, start=1)}   # a computing step's buffer
+        self.posts = {i: [j for j, at in plan.posted_at.items() if at == i] for i in [0, *computing]}
         self.out = None   # a send buffer, made the first time rows must be packed
-        self.pending = None
-        self.landing = None   # (buffer, message, [(buffer row, message row, rows)]) when they differ
+        self.pending = []
+        self.landing = []   # (buffer rows, message, [(buffer row, message row, rows)]) where they differ
 
     def get(self, step: Step):
         i = step.index
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-            self._land()
+        if i and self.plan.landing[i][0] != i:   # its rows are read in its run's last step
+            faults.active.on_ring_step(self.comm.rank, self.phase, i)
+            return None, None
+        for pending in self.pending:
+            pending.wait()
+        self.pending = []
+        self._land()
         faults.active.on_ring_step(self.comm.rank, self.phase, i)
-        if i + 1 < self.comm.size:
-            self._post(i + 1)
-        kv = self.own if i == 0 else _rows(self.bufs[i % 2], self.own, self.sd, step.held_rows)
+        for j in self.posts[i]:
+            self._post(j, self.parity[self.plan.landing[j][0]])
+        kv = self.own if i == 0 else self._buffer(self.parity[i], 0, sum(
+            self.plan.steps[j].held_rows for j in (*step.joins, i)))
         return unstacked(kv, self.fmt)
 
-    def _post(self, i: int) -> None:
+    def _buffer(self, parity: int, at: int, rows: int) -> torch.Tensor:
+        """``rows`` rows from row ``at`` of buffer ``parity``, contiguous."""
+        row = self.own.numel() // self.own.shape[self.sd]
+        return _rows(self.bufs[parity][at * row:], self.own, self.sd, rows)
+
+    def _post(self, i: int, parity: int) -> None:
         me, cp, sd = self.comm.rank, self.comm.size, self.sd
         owner, reader = (me - i) % cp, (me + i) % cp
         held = self.plan.steps[i].held
@@ -507,16 +540,16 @@ class DirectKV:
         if leaving:
             sends.append((_message(self.own, sd, leaving, self._send_buffer), reader))
         if arriving:
-            buf = _rows(self.bufs[i % 2], self.own, sd, rows_in(held))
+            buf = self._buffer(parity, self.plan.landing[i][1], rows_in(held))
             if arriving == held:
                 recvs.append((buf, owner))
             else:  # the message carries other rows than the buffer holds: place them, zero the rest
                 n = rows_in(arriving)
                 message = _rows(_flat(self.own, sd, n), self.own, sd, n)
-                self.landing = (buf, message, _placement(held, arriving))
+                self.landing.append((buf, message, _placement(held, arriving)))
                 recvs.append((message, owner))
         if sends or recvs:
-            self.pending = self.comm.post(sends, recvs, "kv", self.phase, i - 1)
+            self.pending.append(self.comm.post(sends, recvs, "kv", self.phase, i - 1))
 
     def _send_buffer(self, rows: int) -> torch.Tensor:
         if self.out is None:
@@ -524,13 +557,11 @@ class DirectKV:
         return _rows(self.out, self.own, self.sd, rows)
 
     def _land(self) -> None:
-        if self.landing is None:
-            return
-        buf, message, placement = self.landing
-        buf.zero_()
-        for at, src, n in placement:
-            buf.narrow(self.sd, at, n).copy_(message.narrow(self.sd, src, n))
-        self.landing = None
+        for buf, message, placement in self.landing:
+            buf.zero_()
+            for at, src, n in placement:
+                buf.narrow(self.sd, at, n).copy_(message.narrow(self.sd, src, n))
+        self.landing = []
 
 
 def _placement(held, arriving) -> list[tuple[int, int, int]]:
@@ -755,9 +786,23 @@ class GatherDKV:
         return self.own
 
 
-def kv_movers(schedule: CommSchedule, comm, kv: torch.Tensor, fmt, phase: str, acc=None):
+def runs_fit(x: torch.Tensor, fmt) -> bool:
+    """Whether a run's messages can land side by side in one buffer in place (``DirectKV``): the
+    rows are the outermost dim of ``x`` (K, V or ``stacked``, in ``fmt``: sbhd, thd, bshd with b = 1)."""
+    return math.prod(x.shape[:fmt.seq_dim]) == 1
+
+
+def forward_plan(schedule: CommSchedule, rank: int, kv: torch.Tensor, fmt, biased: bool) -> RankPlan:
+    """The plan of ``rank``'s forward: its runs of steps joined (``CommSchedule.forward_plans``)
+    where the messages can land side by side (``runs_fit``) and no bias is sliced per step's
+    owner (``BiasTiles``), else the plain one."""
+    plans = schedule.forward_plans if runs_fit(kv, fmt) and not biased else schedule.plans
+    return faults.active.ring_plan(plans[rank])
+
+
+def kv_movers(schedule: CommSchedule, comm, kv: torch.Tensor, fmt, phase: str, plan: RankPlan, acc=None):
     """The ``KVSource`` (and in the backward, with ``acc`` the accumulator dtype, the ``DKVSink``)
-    that move a rank's K/V (``kv``: ``stacked``) and dK/dV under ``schedule``."""
+    that move a rank's K/V (``kv``: ``stacked``) and dK/dV under ``schedule`` for ``plan``'s steps."""
     shape = kv.select(fmt.seq_dim + 1, 0).shape
     if schedule.kind is KVSchedule.ALLGATHER:
         source = GatherKV(comm, kv, fmt, phase, schedule)
@@ -765,7 +810,7 @@ def kv_movers(schedule: CommSchedule, comm, kv: torch.Tensor, fmt, phase: str, a
     if schedule.kind is KVSchedule.RING:
         source = RingKV(comm, kv, fmt, phase)
         return source if acc is None else (source, RingDKV(comm, shape, acc, kv.device, fmt))
-    source = DirectKV(comm, kv, fmt, phase, schedule)
+    source = DirectKV(comm, kv, fmt, phase, schedule, plan)
     return source if acc is None else (source, DirectDKV(comm, shape, acc, kv.device, fmt, schedule, kv.dtype))
 
 
@@ -785,15 +830,15 @@ class P2PAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, offset, bias, opts: CPOptions, comm):
         fmt = opts.spec.qkv_format
         schedule = schedule_for(opts, comm, k)
-        plan = faults.active.ring_plan(schedule.plans[comm.rank])
+        kv = stacked(k, v, fmt.seq_dim)   # kept for the backward, which moves them the same way
+        plan = forward_plan(schedule, comm.rank, kv, fmt, bias is not None)
         acc = accum_dtype(q.dtype)
         h = q.shape[2]
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, h, q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
         lse = torch.empty((q.shape[1 - fmt.seq_dim], h, q.shape[fmt.seq_dim]), dtype=acc, device=q.device)
         out = torch.empty_like(q)
-        kv = stacked(k, v, fmt.seq_dim)   # kept for the backward, which moves them the same way
-        run_forward(plan, kv_movers(schedule, comm, kv, fmt, "fwd"),
+        run_forward(plan, kv_movers(schedule, comm, kv, fmt, "fwd", plan),
                     state=ForwardState.make(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), lse),
                     sink=sink, bias=bias_tiles, opts=opts)
         ctx.save_for_backward(q, kv, out, lse, offset, bias)
@@ -810,7 +855,7 @@ class P2PAttention(torch.autograd.Function):
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
         dq = torch.empty_like(q)    # the rows backward writes it once, at the end
-        source, dkv = kv_movers(schedule, comm, kv, fmt, "bwd", acc)
+        source, dkv = kv_movers(schedule, comm, kv, fmt, "bwd", plan, acc)
         d_sink = run_backward(plan, source, dkv,
                               state=BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), fmt.to_bhsd(grad_out), lse,
                                                   fmt.to_bhsd(dq)),

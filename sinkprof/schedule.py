@@ -37,7 +37,7 @@ import torch
 
 from .options import (BALANCED_RUNS, CommType, KVSchedule, PackLayout, accum_dtype, check_a2a_size, check_heads,
                       make_spec)
-from .plan import RankPlan, as_layout, ring_plan, rows_in, spec_layout
+from .plan import RankPlan, as_layout, join_runs, ring_plan, rows_in, spec_layout
 
 PHASE_KINDS = (("fwd", "kv"), ("fwd", "a2a"), ("bwd", "kv"), ("bwd", "dkv"), ("bwd", "a2a"))
 
@@ -113,6 +113,16 @@ class CommSchedule:
     def largest(self) -> int:
         """The most rows any rank receives (or sends) for one step after step 0."""
         return max((s.held_rows for p in self.plans for s in p.steps[1:]), default=0)
+
+    @functools.cached_property
+    def forward_plans(self) -> tuple[RankPlan, ...]:
+        """Every rank's forward with its runs of steps joined (``plan.join_runs``) under ``direct``,
+        where every message is one range of its owner's rows (sent from the owner's memory, never
+        packed: a run's messages are in flight at once); else ``plans``. The backward runs ``plans``:
+        its dK/dV go back to each step's owner."""
+        if self.kind is not KVSchedule.DIRECT or any(len(s.held) > 1 for p in self.plans for s in p.steps[1:]):
+            return self.plans
+        return tuple(join_runs(p) for p in self.plans)
 
     def transfers(self, rank: int, kv_row_bytes: int, dkv_row_bytes: int) -> list[Transfer]:
         """Every (phase, step, kind, peer) of ``rank``'s K/V and dK/dV messages; ``kv_row_bytes``

@@ -247,42 +247,37 @@ def test_the_loopback_never_feeds_zeros(bk):
 def test_a_ranks_calls_are_its_steps_tiles_and_their_standalone_time_its_shape_cost(bk):
     """What a ring's tile shapes cost: a causal cp 8 rank's calls are its step-0 causal tile and
     one full tile a step (rank 4: four of all its rows against the first chunk, then three of its
-    second chunk against whole shards); its efficiency were they all it did is its share of FA4's
-    monolithic time over those calls' standalone times, given to fa4 vanilla rows only. A pack's
+    second chunk against whole shards), and with its runs joined (``join_runs``, at most 16k keys
+    a call) one call per run; its efficiency were they all it did is its share of FA4's monolithic
+    time over those calls' standalone times, per phase, given to fa4 vanilla rows only. A pack's
     varlen groups have no dense shape: no figure."""
     from sinkprof.options import Band, KVSchedule
+    from sinkprof.plan import join_runs
     from sinkprof.schedule import CommSchedule
     c = 4096
     schedule = CommSchedule(KVSchedule.DIRECT, 8, c, Band(None, 0))
     calls = bk.rank_calls(schedule.plans[4])
     assert calls == [(2 * c, 2 * c, Band(None, 0))] + [(2 * c, c, Band())] * 4 + [(c, 2 * c, Band())] * 3
     assert bk.rank_calls(schedule.plans[0]) == [(2 * c, 2 * c, Band(None, 0))] + [(c, 2 * c, Band())] * 7
+    assert bk.rank_calls(schedule.forward_plans[4]) == [(2 * c, 2 * c, Band(None, 0)), (2 * c, 4 * c, Band()),
+                                                        (c, 4 * c, Band()), (c, 2 * c, Band())]
+    assert bk.rank_calls(join_runs(schedule.plans[7])) == [(2 * c, 2 * c, Band(None, 0)), (2 * c, 4 * c, Band()),
+                                                           (2 * c, 3 * c, Band())]
     timed = {"fa4 vanilla fwd": {"ms": 16.0}, "fa4 vanilla bwd": {"ms": 40.0}}
     for (n_q, n_kv, band), fwd in {(2 * c, 2 * c, Band(None, 0)): 0.5, (2 * c, c, Band()): 0.25,
-                                   (c, 2 * c, Band()): 0.2}.items():
+                                   (c, 2 * c, Band()): 0.2, (2 * c, 4 * c, Band()): 0.9,
+                                   (c, 4 * c, Band()): 0.38}.items():
         timed[f"{bk.shape_key(n_q, n_kv, band)} fwd"] = {"ms": fwd}
         timed[f"{bk.shape_key(n_q, n_kv, band)} bwd"] = {"ms": 2.5 * fwd}
     rows = [dict(backend=backend, kv_schedule=kv, rank=4, flops=1, variant=variant)
             for backend, kv, variant in [("fa4+comm", "direct", "vanilla step0"), ("fa4", "ring", "vanilla step0"),
                                          ("cudnn", "direct", "vanilla step0"), ("fa4", "direct", "learnable step0")]]
-    out = bk.with_standalone_calls(rows, {("direct", 4): calls}, 8, timed)
-    standalone = 0.5 + 4 * 0.25 + 3 * 0.2
-    assert out[0]["fwd_vs_fa4_mono_calls_standalone"] == pytest.approx(16.0 / 8 / standalone)
-    assert out[0]["bwd_vs_fa4_mono_calls_standalone"] == pytest.approx(40.0 / 8 / (2.5 * standalone))
+    per_phase = {("direct", 4, "fwd"): bk.rank_calls(schedule.forward_plans[4]), ("direct", 4, "bwd"): calls}
+    out = bk.with_standalone_calls(rows, per_phase, 8, timed)
+    assert out[0]["fwd_vs_fa4_mono_calls_standalone"] == pytest.approx(16.0 / 8 / (0.5 + 0.9 + 0.38 + 0.2))
+    assert out[0]["bwd_vs_fa4_mono_calls_standalone"] == pytest.approx(40.0 / 8 / (2.5 * (0.5 + 4 * 0.25 + 3 * 0.2)))
     assert not any("fwd_vs_fa4_mono_calls_standalone" in row for row in out[1:])
-    # joined into runs: rank 4's steps 1..4 over all its rows, 5..7 over its second chunk; a
-    # no_mask rank's steps 1..7 one call over seven shards; step 0 apart
-    assert bk.joined_calls(schedule.plans[4]) == [(2 * c, 2 * c, Band(None, 0)), (2 * c, 4 * c, Band()),
-                                                  (c, 6 * c, Band())]
-    assert bk.joined_calls(schedule.plans[7]) == [(2 * c, 2 * c, Band(None, 0)), (2 * c, 7 * c, Band())]
-    full = CommSchedule(KVSchedule.DIRECT, 8, c, Band())
-    assert bk.joined_calls(full.plans[3]) == [(2 * c, 2 * c, Band()), (2 * c, 14 * c, Band())]
-    out = bk.with_standalone_calls(rows, {("direct", 4): bk.joined_calls(schedule.plans[4])}, 8,
-                                   timed | {f"{bk.shape_key(2 * c, 4 * c, Band())} {p}": {"ms": 1.0} for p in ("fwd", "bwd")}
-                                   | {f"{bk.shape_key(c, 6 * c, Band())} {p}": {"ms": 0.5} for p in ("fwd", "bwd")},
-                                   "runs")
-    assert out[0]["fwd_vs_fa4_mono_runs_standalone"] == pytest.approx(16.0 / 8 / (0.5 + 1.0 + 0.5))
     docs = bk.pack_lengths(16 * 2 * 6, 8 * 2, 32 * 2, 4, seed=2)
     pack = CommSchedule(KVSchedule.ALLGATHER, 2, tuple(n // 4 for n in docs), Band(None, 0))
     assert any(len(gr) > 1 for st in pack.plans[0].steps for gr in st.groups)
-    assert bk.rank_calls(pack.plans[0]) is None and bk.joined_calls(pack.plans[0]) is None
+    assert bk.rank_calls(pack.plans[0]) is None

@@ -200,3 +200,20 @@ def test_the_loopback_link_is_measured_as_a_fitted_bandwidth_and_latency():
     assert len(seconds) == 3 and all(t > 0 for t in seconds)
 
 
+
+
+def test_a_joined_run_s_messages_are_posted_together_and_hide_behind_the_step_before_it():
+    # step 0 computes 2 ms, then steps 1..2 are one run computed at step 2 (step 1 computes
+    # nothing): their K/V (labels 0 and 1, 0.8 ms each) are posted together at step 0 and share
+    # the link: 1.6 ms, hidden by step 0's 2 ms. Posted one step ahead, the second would be exposed.
+    link = Link("x", 1.0, 0.0)
+    rows = _rows([("fwd", 0, 0.0, 2.0), ("fwd", 1, 2.0, 2.0), ("fwd", 2, 2.0, 5.0)], 5.0)
+    kv = [_t(sent=800_000, received=800_000, step=i) for i in (0, 1)]
+    out = predict(rows, kv, link, posted_at={1: 0, 2: 0})
+    comm = _by(out, "kv")
+    assert list(comm) == [("fwd", 0)]
+    assert comm[("fwd", 0)]["bytes"] == 1_600_000 and comm[("fwd", 0)]["dur_ms"] == pytest.approx(1.6)
+    assert comm[("fwd", 0)]["exposed_ms"] == 0.0
+    assert [r for r in out if r["kind"] == "iteration"][0]["dur_ms"] == pytest.approx(5.0)
+    apart = _by(predict(rows, kv, link), "kv")
+    assert apart[("fwd", 1)]["exposed_ms"] == pytest.approx(0.8)

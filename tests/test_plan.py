@@ -7,7 +7,7 @@ import torch
 
 import sinkprof
 from sinkprof.options import Band
-from sinkprof.plan import PARTS, _with_parts, chunk_ids, global_rows, ring_plan
+from sinkprof.plan import PARTS, _with_parts, chunk_ids, global_rows, join_runs, ring_plan
 from sinkprof.schedule import CommSchedule
 from sinkprof.options import KVSchedule
 
@@ -223,3 +223,93 @@ def test_an_allgather_pack_is_two_varlen_calls_under_causal_and_one_without_a_ma
         full = ring_plan(cp, rank, chunks, Band(), KVSchedule.ALLGATHER).steps[0]
         assert [len(g) for g in full.groups] == [4] and full.kv_cover
         assert [t.q_rows.stop - t.q_rows.start for t in full.tiles] == [2 * c for c in chunks]
+
+
+def _held_positions(cp, rank, chunk, step):
+    """Sequence positions of the rows of a (plain) step's K/V buffer."""
+    kv_pos = global_rows(cp, step.kv_rank, chunk)
+    return torch.cat([kv_pos[p] for p in step.held]) if step.held else torch.zeros(0, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("cp,chunk", [(2, 3), (3, 4), (4, 2), (5, 3), (8, 2)])
+@pytest.mark.parametrize("band", BANDS, ids=str)
+@pytest.mark.parametrize("max_rows", [4, 6, 1000])
+def test_joined_runs_meet_every_visible_pair_once_over_the_runs_rows_side_by_side(cp, chunk, band, max_rows):
+    """The forward with its runs joined (``join_runs``): a run's last step reads the rows of
+    every step of the run side by side (``landing``), its one tile meets exactly the pairs the
+    run's tiles met, the steps it absorbed have no tiles, at most ``max_rows`` rows a run; the
+    messages stay per step, each posted at the step that computes before its run; the parts and
+    merges still hold every later tile until its merge."""
+    s = 2 * cp * chunk
+    truth = band.mask(s, s)
+    truth = torch.ones(s, s, dtype=torch.bool) if truth is None else truth
+    joined_any = False
+    for rank in range(cp):
+        plain = ring_plan(cp, rank, chunk, band, KVSchedule.DIRECT)
+        plan = join_runs(plain, max_rows)
+        joined_any |= plan is not plain
+        assert [(s_.index, s_.kv_rank, s_.held) for s_ in plan.steps] == [(s_.index, s_.kv_rank, s_.held)
+                                                                            for s_ in plain.steps]
+        q_pos = global_rows(cp, rank, chunk)
+        covered = torch.zeros(2 * chunk, s, dtype=torch.int64)
+        computed_at = 0
+        for step in plan.steps:
+            members = (*step.joins, step.index)
+            if step.joins:
+                assert not any(plan.steps[j].tiles for j in step.joins)
+                assert [plan.landing[j][0] for j in members] == [step.index] * len(members)
+                rows = sum(plain.steps[j].held_rows for j in members)
+                assert rows <= max_rows and len(step.tiles) == 1
+                assert step.tiles[0].kv_rows == slice(0, rows) and step.tiles[0].band == Band()
+            if step.index:
+                assert all(plan.posted_at[j] == computed_at for j in members if plan.landing[j][0] == step.index)
+            if step.index == 0 or plan.landing[step.index][0] == step.index:
+                computed_at = step.index
+            kv_pos = (torch.cat([_held_positions(cp, rank, chunk, plain.steps[j]) for j in members])
+                      if step.index else global_rows(cp, rank, chunk))
+            for tile in step.tiles:
+                nq, nk = tile.q_rows.stop - tile.q_rows.start, tile.kv_rows.stop - tile.kv_rows.start
+                vis = tile.band.mask(nq, nk)
+                vis = torch.ones(nq, nk, dtype=torch.bool) if vis is None else vis
+                rows_ = torch.arange(tile.q_rows.start, tile.q_rows.stop)
+                covered[rows_[:, None], kv_pos[tile.kv_rows][None, :]] += vis.long()
+        assert torch.equal(covered, truth[q_pos].long()), f"rank {rank}"
+        assert plan.buffer_rows <= max(max_rows, max((s_.held_rows for s_ in plain.steps[1:]), default=0))
+        pending: dict[int, set] = {}
+        for step in plan.steps:
+            for tile in step.tiles:
+                if not tile.sink:
+                    r = set(range(tile.q_rows.start, tile.q_rows.stop))
+                    assert not r & pending.setdefault(tile.part, set())
+                    pending[tile.part] |= r
+            if step.merges:
+                assert set(pending) == set(range(step.merges))
+                pending = {}
+        assert not pending
+    if cp > 2 and band in (Band(None, 0), Band()) and max_rows >= 2 * 2 * chunk:
+        assert joined_any
+
+
+def test_a_causal_rank_joins_its_steps_over_all_its_rows_and_over_its_second_chunk():
+    """At cp 8 (chunks of c rows), rank 4's steps 1..4 (all its rows against each earlier rank's
+    first chunk) are one call over 4c keys and its steps 5..7 (its second chunk against whole
+    shards) two runs at 16k keys a run; no mask: runs of two shards. The backward, and the ring
+    and allgather schedules, are not joined; nor are packs (several tiles a step)."""
+    c = 4096
+    causal = CommSchedule(KVSchedule.DIRECT, 8, c, Band(None, 0))
+    plan = causal.forward_plans[4]
+    assert [s.joins for s in plan.steps] == [(), (), (), (), (1, 2, 3), (), (5,), ()]
+    assert [[(t.q_rows, t.kv_rows) for t in s.tiles] for s in plan.steps if s.tiles][1:] == [
+        [(slice(0, 2 * c), slice(0, 4 * c))], [(slice(c, 2 * c), slice(0, 4 * c))],
+        [(slice(c, 2 * c), slice(0, 2 * c))]]
+    assert plan.posted_at == {1: 0, 2: 0, 3: 0, 4: 0, 5: 4, 6: 4, 7: 6}
+    assert plan.landing == {1: (4, 0), 2: (4, c), 3: (4, 2 * c), 4: (4, 3 * c), 5: (6, 0), 6: (6, 2 * c),
+                            7: (7, 0)}
+    assert causal.plans[4].steps[4].joins == () and causal.plans[4].posted_at == {i: i - 1 for i in range(1, 8)}
+    full = CommSchedule(KVSchedule.DIRECT, 8, c, Band()).forward_plans[0]
+    assert [s.joins for s in full.steps] == [(), (), (1,), (), (3,), (), (5,), ()]
+    for kind in (KVSchedule.RING, KVSchedule.ALLGATHER):
+        other = CommSchedule(kind, 8, c, Band(None, 0))
+        assert other.forward_plans is other.plans
+    pack = CommSchedule(KVSchedule.DIRECT, 4, (8, 4), Band(None, 0))
+    assert pack.forward_plans is pack.plans

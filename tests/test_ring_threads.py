@@ -27,6 +27,7 @@ class ThreadRing:
         self.size = size
         self.box = collections.defaultdict(collections.deque)
         self.cv = threading.Condition()
+        self.events = collections.defaultdict(list)   # rank -> ("post" | "wait", phase, kind, label)
 
     def member(self, rank: int) -> "Member":
         return Member(self, rank)
@@ -46,14 +47,17 @@ class Member:
             for t, peer in sends:
                 ring.box[(self.rank, peer, phase, kind, step)].append(t.clone())
             ring.cv.notify_all()
-        return Arrival(ring, [(t, (peer, self.rank, phase, kind, step)) for t, peer in recvs])
+        ring.events[self.rank].append(("post", phase, kind, step))
+        return Arrival(ring, [(t, (peer, self.rank, phase, kind, step)) for t, peer in recvs],
+                       (self.rank, ("wait", phase, kind, step)))
 
 
 class Arrival:
-    def __init__(self, ring: ThreadRing, recvs: list):
-        self.ring, self.recvs = ring, recvs
+    def __init__(self, ring: ThreadRing, recvs: list, event):
+        self.ring, self.recvs, self.event = ring, recvs, event
 
     def wait(self) -> None:
+        self.ring.events[self.event[0]].append(self.event[1])
         with self.ring.cv:
             for t, key in self.recvs:
                 if not self.ring.cv.wait_for(lambda: self.ring.box[key], timeout=TIMEOUT_S):
@@ -91,7 +95,7 @@ def _run_threads(inputs, spec, cp: int, strategy: SinkStrategy, kv_schedule: KVS
     assert all(not t.is_alive() for t in threads), "a rank hung"
     names = ("out", "dq", "dk", "dv")
     got = {name: unshard([results[r][i] for r in range(cp)], sd) for i, name in enumerate(names)}
-    return got, [results[r][4] for r in range(cp)]
+    return got, [results[r][4] for r in range(cp)], ring.events
 
 
 @pytest.mark.parametrize("mask", ["causal", "no_mask"])
@@ -107,7 +111,7 @@ def test_the_threaded_ring_equals_the_emulator_bit_for_bit_in_bf16_under_direct(
         real(self, *args, **kwargs)
         homes.append(self.acc.dtype)
     monkeypatch.setattr(ring_module.DirectDKV, "__init__", spy)
-    got, d_sinks = _run_threads(inputs, spec, cp, SinkStrategy.STEP0, KVSchedule.DIRECT)
+    got, d_sinks, _ = _run_threads(inputs, spec, cp, SinkStrategy.STEP0, KVSchedule.DIRECT)
     # every home dK/dV of this schedule is held in bf16 (nothing is ever added into it before the end)
     assert homes == [torch.bfloat16] * cp
     emu = emulate_ring(inputs, spec, cp, SinkStrategy.STEP0, kv_schedule="direct")
@@ -121,3 +125,35 @@ def test_the_threaded_ring_equals_the_emulator_bit_for_bit_in_bf16_under_direct(
             assert torch.equal(mine.reshape(part.shape), part)
     else:
         assert d_sinks == [None] * cp
+
+
+@pytest.mark.parametrize("fmt,b", [("bshd", 1), ("sbhd", 2), ("bshd", 2)])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+def test_a_forward_of_joined_runs_posts_a_whole_run_at_once_and_equals_the_reference(fmt, b, mask):
+    """At cp 4 under direct a rank's forward joins its runs of steps (their rows side by side in
+    one buffer, in place): as a step that computes starts, the messages of every step of the next
+    run are posted, before any is waited for (rank 0 posts steps 1..3 at step 0), and the result
+    (fp64) is the reference's. Where the rows are not outermost (bshd with b > 1) the steps are
+    not joined: one message ahead."""
+    from sinkprof.schedule import CommSchedule
+    from sinkprof.testing import reference
+    cp = 4
+    spec = make_spec("learnable", mask, None, fmt)
+    inputs = make_inputs(Shape(b=b, s=64, h=4, g=2, d=8), spec, seed=5)
+    got, d_sinks, events = _run_threads(inputs, spec, cp, SinkStrategy.STEP0, KVSchedule.DIRECT)
+    schedule = CommSchedule(KVSchedule.DIRECT, cp, 8, spec.band)
+    joined = fmt == "sbhd" or b == 1
+    for rank in range(cp):
+        plan = (schedule.forward_plans if joined else schedule.plans)[rank]
+        expected = []
+        for i in [0] + [s_.index for s_ in plan.steps[1:] if plan.landing[s_.index][0] == s_.index]:
+            if i:
+                expected += [("wait", "fwd", "kv", j - 1) for j in sorted(plan.landing) if plan.landing[j][0] == i]
+            expected += [("post", "fwd", "kv", j - 1) for j in sorted(plan.posted_at) if plan.posted_at[j] == i]
+        assert [e for e in events[rank] if e[1:3] == ("fwd", "kv")] == expected, rank
+    first = [e[0] for e in events[0] if e[1:3] == ("fwd", "kv")]
+    assert first == (["post"] * 3 + ["wait"] * 3 if joined else ["post", "wait"] * 3)
+    ref = reference(inputs, spec)
+    for name, want in (("out", ref.out), ("dq", ref.dq), ("dk", ref.dk), ("dv", ref.dv)):
+        assert torch.allclose(got[name], want, atol=1e-12, rtol=0), name
+    assert torch.allclose(sum(x.reshape(-1) for x in d_sinks), ref.d_offset.reshape(-1), atol=1e-12, rtol=0)

@@ -19,7 +19,7 @@ import torch
 from ..faults import RANK_FAILURES, Fault, Injected
 from ..kernels import resolve_backend
 from ..options import DTYPES, AttnSpec, Backend, CommType, KVSchedule, PackLayout, SoftmaxType, accum_dtype
-from ..plan import PARTS, ring_plan, spec_layout
+from ..plan import PARTS, RUN_ROWS, ring_plan, spec_layout
 from .cases import Case, a2a_members, expand
 
 GIB = 2 ** 30
@@ -205,6 +205,11 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
     device += o_local * (min(PARTS, 2 * (ring - 1)) * elem + (acc if ring - 1 > PARTS else 0))
     kind = _ring_schedule(case, ranks) if ring > 1 else KVSchedule.RING
     gather = kind is KVSchedule.ALLGATHER
+    if kind is KVSchedule.DIRECT:   # the forward's two K/V buffers hold a joined run of steps (ring.DirectKV):
+        # up to RUN_ROWS rows each where a step's are fewer
+        shard_rows = sh.s // ring
+        runs = max(0, min(RUN_ROWS, (ring - 1) * shard_rows) - shard_rows)
+        device += 2 * runs * sh.b * 2 * max(1, sh.g // members) * sh.d * elem
     if kind is KVSchedule.DIRECT and elem < acc:   # the dK/dV parts that return in K/V's dtype, kept until the
         # backward ends (ring.DirectDKV, half precision): at most a shard from every other rank
         device += (ring - 1) * sh.b * (sh.s // ring) * 2 * max(1, sh.g // members) * sh.d * elem
