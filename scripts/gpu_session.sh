@@ -7,7 +7,7 @@
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
-# layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12
+# layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -316,6 +316,15 @@ if [[ $what == *" verify12 "* ]]; then   # <= 560 s: not yet run. Issue 15's pac
   run check_direct12 260 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a+p2p --softmax all \
       --mask all --kv-schedule direct --dtype bf16,fp16 --sink-strategy all --batch 2 --seq-len 4096 --heads 8 \
       --kv-heads 4 --head-dim 128 --format json --output "$OUT/check_direct12.json"
+fi
+if [[ $what == *" final12 "* ]]; then   # <= 580 s: one call for what little device time is left: the joined runs'
+  # GPU tests, the 4-rank check with b = 1 (bf16, fewer cases), and issue 11's rings at cp 4 and 8
+  run gpu_tests_final12 170 python3 -m pytest -q -x tests/test_gpu.py -k "joined_runs or (cuda_graph and fa4)"
+  run check_final12 110 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p --softmax vanilla,learnable \
+      --mask all --kv-schedule direct --dtype bf16 --sink-strategy step0 --batch 1 --seq-len 8192 --heads 8 \
+      --kv-heads 4 --head-dim 128 --format json --output "$OUT/check_final12.json"
+  run ring_bench_final12 290 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4,8;gpt-oss:8" \
+      --ring-backends fa4+comm --out "$OUT/ring_bench_final12.json"
 fi
 if [[ $what == *" runs12 "* ]]; then   # <= 560 s: the forward's joined runs of steps on the GPU: its tests (fa4 and
   # cudnn tiles, b 1 and sbhd, cp 2-8), graph capture, the home dK/dV tests, and the 4-rank check with b = 1 (runs joined)
