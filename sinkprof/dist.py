@@ -66,10 +66,14 @@ class Traffic(defaultdict):
 class Pending:
     """In-flight p2p work; ``wait`` finishes it (copying staged data back) or raises ``CommError``."""
 
-    def __init__(self, works, staged: list, comm: "Communicator", what: str, token=None):
-        self.works, self.staged, self.comm, self.what, self.token = works, staged, comm, what, token
+    def __init__(self, works, staged: list, comm: "Communicator", what: str, token=None, at=None):
+        """``at``: the (phase, step label, op) a hang report names while this is waited for (several
+        exchanges may be in flight at once: the last posted is not always the one waited for)."""
+        self.works, self.staged, self.comm, self.what, self.token, self.at = works, staged, comm, what, token, at
 
     def wait(self) -> None:
+        if self.at is not None:
+            where.phase, where.step, where.op = self.at
         stream = self.comm.stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.comm.wait_all(self.works, self.what)
@@ -148,7 +152,7 @@ class Communicator:
                 works = dist.batch_isend_irecv(ops)
             except Exception as exc:  # a dead peer can fail the post itself
                 raise CommError(f"rank {dist.get_rank()}: {what} could not start at {where}: {exc}") from None
-        return Pending(works, staged, self, what, token)
+        return Pending(works, staged, self, what, token, (phase, step, f"{kind} exchange"))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, phase: str, what: str) -> None:
         """``out[j]`` = rank j's ``inp[me]``: dim 0 of both is the group size."""

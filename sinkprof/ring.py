@@ -483,44 +483,50 @@ def _message(x: torch.Tensor, seq_dim: int, parts, buffer) -> torch.Tensor:
 class DirectKV:
     """K/V of each step straight from its owner, only the rows its tiles read (``Step.held``).
 
-    Each step's messages are one batch: this rank's rows that its reader ``rank + i`` reads, and
-    the rows it reads of owner ``rank - i``. As a step that computes starts, the batches of every
-    step up to the next one that computes are posted: step i+1's alone where every step computes,
-    a whole run's where the forward joins a run of steps into its last one (``Step.joins``, their
-    rows side by side in one buffer), so they are in flight while this step computes. Buffers
-    alternate between the steps that compute after step 0; step 0 reads the local shard. A step
-    that reads nothing receives nothing.
+    Step i's messages are this rank's rows that its reader ``rank + i`` reads, and the rows it
+    reads of owner ``rank - i``. Each is posted as the reader's step that computes before step i's
+    run starts (``RankPlan.posted_at``: step i - 1 where every step computes), by the reader and
+    by the owner at its own step of that index, so both post every message at the same point of
+    the schedule and it is in flight while the reader computes that step: where the forward joins
+    a run of steps into its last one (``Step.joins``), the whole run's messages at once, landing
+    side by side in one buffer. Buffers alternate between the steps that compute after step 0;
+    step 0 reads the local shard. A step that reads nothing receives nothing.
 
     A run's messages are in flight at once, so they are sent from the owner's memory, never packed
     (``CommSchedule.forward_plans`` joins runs only where every message is one range of rows), and
     land in place: the buffer's rows must be contiguous per step, rows outermost (``runs_fit``)."""
 
-    def __init__(self, comm, kv: torch.Tensor, fmt, phase: str, schedule: CommSchedule, plan: RankPlan):
-        """``kv``: this rank's K and V, ``stacked``; ``plan``: the steps this rank runs (the forward's
-        runs joined, or not)."""
-        self.comm, self.fmt, self.phase, self.schedule, self.plan = comm, fmt, phase, schedule, plan
+    def __init__(self, comm, kv: torch.Tensor, fmt, phase: str, schedule: CommSchedule, plans):
+        """``kv``: this rank's K and V, ``stacked``; ``plans``: every rank's steps (the forward's runs
+        joined, or not)."""
+        self.comm, self.fmt, self.phase, self.schedule = comm, fmt, phase, schedule
+        me, cp = comm.rank, comm.size
+        self.plan = plan = plans[me]
         self.own = kv
         self.sd = fmt.seq_dim
         self.bufs = [_flat(self.own, self.sd, plan.buffer_rows) for _ in range(2)]
         computing = [s.index for s in plan.steps[1:] if plan.landing[s.index][0] == s.index]
         self.parity = {i: n % 2 for n, i in enumerate(computing, start=1)}   # a computing step's buffer
-        self.posts = {i: [j for j, at in plan.posted_at.items() if at == i] for i in [0, *computing]}
+        # at each step, the messages posted then: (step, send, receive), steps in order
+        self.posts = {i: [(j, plans[(me + j) % cp].posted_at[j] == i, plan.posted_at[j] == i) for j in range(1, cp)
+                          if i in (plans[(me + j) % cp].posted_at[j], plan.posted_at[j])] for i in range(cp)}
         self.out = None   # a send buffer, made the first time rows must be packed
         self.pending = []
         self.landing = []   # (buffer rows, message, [(buffer row, message row, rows)]) where they differ
 
     def get(self, step: Step):
         i = step.index
-        if i and self.plan.landing[i][0] != i:   # its rows are read in its run's last step
-            faults.active.on_ring_step(self.comm.rank, self.phase, i)
-            return None, None
-        for pending in self.pending:
-            pending.wait()
-        self.pending = []
-        self._land()
+        member = i and self.plan.landing[i][0] != i   # its rows are read in its run's last step
+        if not member:
+            for pending in self.pending:
+                pending.wait()
+            self.pending = []
+            self._land()
         faults.active.on_ring_step(self.comm.rank, self.phase, i)
-        for j in self.posts[i]:
-            self._post(j, self.parity[self.plan.landing[j][0]])
+        for j, send, receive in self.posts[i]:
+            self._post(j, send, receive)
+        if member:
+            return None, None
         kv = self.own if i == 0 else self._buffer(self.parity[i], 0, sum(
             self.plan.steps[j].held_rows for j in (*step.joins, i)))
         return unstacked(kv, self.fmt)
@@ -530,17 +536,18 @@ class DirectKV:
         row = self.own.numel() // self.own.shape[self.sd]
         return _rows(self.bufs[parity][at * row:], self.own, self.sd, rows)
 
-    def _post(self, i: int, parity: int) -> None:
+    def _post(self, i: int, send: bool, receive: bool) -> None:
         me, cp, sd = self.comm.rank, self.comm.size, self.sd
         owner, reader = (me - i) % cp, (me + i) % cp
         held = self.plan.steps[i].held
-        leaving = faults.active.sent_rows(self.phase, i, me, reader, self.schedule.kv_rows(reader, i))
-        arriving = faults.active.sent_rows(self.phase, i, owner, me, held)
+        leaving = faults.active.sent_rows(self.phase, i, me, reader, self.schedule.kv_rows(reader, i)) if send else ()
+        arriving = faults.active.sent_rows(self.phase, i, owner, me, held) if receive else ()
         sends, recvs = [], []
         if leaving:
             sends.append((_message(self.own, sd, leaving, self._send_buffer), reader))
         if arriving:
-            buf = self._buffer(parity, self.plan.landing[i][1], rows_in(held))
+            at, offset = self.plan.landing[i]
+            buf = self._buffer(self.parity[at], offset, rows_in(held))
             if arriving == held:
                 recvs.append((buf, owner))
             else:  # the message carries other rows than the buffer holds: place them, zero the rest
@@ -792,17 +799,23 @@ def runs_fit(x: torch.Tensor, fmt) -> bool:
     return math.prod(x.shape[:fmt.seq_dim]) == 1
 
 
+def forward_plans(schedule: CommSchedule, kv: torch.Tensor, fmt, biased: bool) -> tuple[RankPlan, ...]:
+    """Every rank's forward: its runs of steps joined (``CommSchedule.forward_plans``) where the
+    messages can land side by side (``runs_fit``) and no bias is sliced per step's owner
+    (``BiasTiles``), else the plain plans (the same choice on every rank: the same shapes)."""
+    return schedule.forward_plans if runs_fit(kv, fmt) and not biased else schedule.plans
+
+
 def forward_plan(schedule: CommSchedule, rank: int, kv: torch.Tensor, fmt, biased: bool) -> RankPlan:
-    """The plan of ``rank``'s forward: its runs of steps joined (``CommSchedule.forward_plans``)
-    where the messages can land side by side (``runs_fit``) and no bias is sliced per step's
-    owner (``BiasTiles``), else the plain one."""
-    plans = schedule.forward_plans if runs_fit(kv, fmt) and not biased else schedule.plans
-    return faults.active.ring_plan(plans[rank])
+    """The plan ``rank``'s forward runs (``forward_plans``, through ``faults.active.ring_plan``)."""
+    return faults.active.ring_plan(forward_plans(schedule, kv, fmt, biased)[rank])
 
 
-def kv_movers(schedule: CommSchedule, comm, kv: torch.Tensor, fmt, phase: str, plan: RankPlan, acc=None):
+def kv_movers(schedule: CommSchedule, comm, kv: torch.Tensor, fmt, phase: str, plans: tuple[RankPlan, ...],
+              acc=None):
     """The ``KVSource`` (and in the backward, with ``acc`` the accumulator dtype, the ``DKVSink``)
-    that move a rank's K/V (``kv``: ``stacked``) and dK/dV under ``schedule`` for ``plan``'s steps."""
+    that move a rank's K/V (``kv``: ``stacked``) and dK/dV under ``schedule``, for the steps of
+    ``plans`` (every rank's: where the forward joins runs, a rank sends as its readers need)."""
     shape = kv.select(fmt.seq_dim + 1, 0).shape
     if schedule.kind is KVSchedule.ALLGATHER:
         source = GatherKV(comm, kv, fmt, phase, schedule)
@@ -810,7 +823,7 @@ def kv_movers(schedule: CommSchedule, comm, kv: torch.Tensor, fmt, phase: str, p
     if schedule.kind is KVSchedule.RING:
         source = RingKV(comm, kv, fmt, phase)
         return source if acc is None else (source, RingDKV(comm, shape, acc, kv.device, fmt))
-    source = DirectKV(comm, kv, fmt, phase, schedule, plan)
+    source = DirectKV(comm, kv, fmt, phase, schedule, plans)
     return source if acc is None else (source, DirectDKV(comm, shape, acc, kv.device, fmt, schedule, kv.dtype))
 
 
@@ -831,14 +844,15 @@ class P2PAttention(torch.autograd.Function):
         fmt = opts.spec.qkv_format
         schedule = schedule_for(opts, comm, k)
         kv = stacked(k, v, fmt.seq_dim)   # kept for the backward, which moves them the same way
-        plan = forward_plan(schedule, comm.rank, kv, fmt, bias is not None)
+        plans = forward_plans(schedule, kv, fmt, bias is not None)
+        plan = faults.active.ring_plan(plans[comm.rank])
         acc = accum_dtype(q.dtype)
         h = q.shape[2]
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, h, q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
         lse = torch.empty((q.shape[1 - fmt.seq_dim], h, q.shape[fmt.seq_dim]), dtype=acc, device=q.device)
         out = torch.empty_like(q)
-        run_forward(plan, kv_movers(schedule, comm, kv, fmt, "fwd", plan),
+        run_forward(plan, kv_movers(schedule, comm, kv, fmt, "fwd", plans),
                     state=ForwardState.make(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), lse),
                     sink=sink, bias=bias_tiles, opts=opts)
         ctx.save_for_backward(q, kv, out, lse, offset, bias)
@@ -855,7 +869,7 @@ class P2PAttention(torch.autograd.Function):
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
         dq = torch.empty_like(q)    # the rows backward writes it once, at the end
-        source, dkv = kv_movers(schedule, comm, kv, fmt, "bwd", plan, acc)
+        source, dkv = kv_movers(schedule, comm, kv, fmt, "bwd", schedule.plans, acc)
         d_sink = run_backward(plan, source, dkv,
                               state=BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), fmt.to_bhsd(grad_out), lse,
                                                   fmt.to_bhsd(dq)),

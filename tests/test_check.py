@@ -104,7 +104,7 @@ def test_under_torchrun(tmp_path):
 
 
 # Every mask and window the byte tests cover (chunk c = 4 rows: s = 8 * cp), both K/V schedules,
-# both sink strategies: one launch per cp.
+# both sink strategies: one launch per cp. b = 1: the direct forward joins its runs of steps (rows outermost).
 SCHEDULE_PROFILE = """
 softmax = ["learnable"]
 dtype = ["fp64"]

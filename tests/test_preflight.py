@@ -152,17 +152,21 @@ def test_allgather_is_counted_with_the_whole_sequences_kv_and_its_wider_tiles():
 
 def test_direct_is_counted_with_the_dkv_parts_it_keeps_until_the_end():
     """Under direct an owner keeps the dK/dV parts that return in K/V's dtype until the backward
-    ends (``ring.DirectDKV``): up to a shard from each of the other ranks, beyond the ring's need;
-    and its forward's two K/V buffers hold a joined run of steps, here three shards' rows, not one
-    (two shards more each)."""
-    def need(kind, dtype, ranks=4):
+    ends (``ring.DirectDKV``): up to a shard from each of the other ranks, beyond the ring's need.
+    Where the forward joins runs of steps (b = 1 here), its two K/V buffers hold a run, here three
+    shards' rows, not one (two shards more each), gone before the backward keeps its parts: the
+    larger of the two counts."""
+    def need(kind, dtype, ranks=4, batch=2):
         return preflight.case_need(expand(Settings(seq_len=4096, kv_schedule=(kind,), dtype=(dtype,),
-                                                   ranks=ranks))[0], ranks, False)
+                                                   ranks=ranks, batch=batch))[0], ranks, False)
     sh = expand(Settings(seq_len=4096, ranks=4))[0].shape
+    assert sh.b == 2                                            # bshd with b = 2: nothing joined
     shard = sh.b * (sh.s // 4) * 2 * sh.g * sh.d
-    assert need("direct", "bf16")[1] - need("ring", "bf16")[1] == 3 * shard * 2 + 2 * 2 * shard * 2
-    # K/V's dtype is the accumulator's: nothing kept, only the runs' buffers
-    assert need("direct", "fp64")[1] - need("ring", "fp64")[1] == 2 * 2 * shard * 8
+    assert need("direct", "bf16")[1] - need("ring", "bf16")[1] == 3 * shard * 2
+    assert need("direct", "fp64") == need("ring", "fp64")      # K/V's dtype is the accumulator's: nothing kept
+    one = shard // 2                                            # b = 1
+    assert need("direct", "bf16", batch=1)[1] - need("ring", "bf16", batch=1)[1] == 2 * 2 * one * 2
+    assert need("direct", "fp64", batch=1)[1] - need("ring", "fp64", batch=1)[1] == 2 * 2 * one * 8
     assert need("direct", "bf16", ranks=1) == need("ring", "bf16", ranks=1)
 
 
@@ -204,11 +208,7 @@ def test_flash_tiles_keep_the_device_estimate_linear_and_a_simulation_is_one_pro
     big = Settings(softmax=("vanilla",), mask=("causal",), dtype=("bf16",), seq_len=2 ** 17, ranks=4)
     flash = [preflight.case_need(expand(s)[0], 4, False, tile_scores=False)[1] for s in (base, big)]
     torch_tiles = [preflight.case_need(expand(s)[0], 4, False, tile_scores=True)[1] for s in (base, big)]
-    # cuDNN and FA4 tiles hold no scores: linear, but for the forward's run buffers (at most 16k rows
-    # of K/V each, ring.DirectKV): at 32k (shards of 8k rows) they hold 16k rows, at 128k one shard
-    sh = expand(base)[0].shape
-    runs = 2 * (2 ** 14 - 2 ** 13) * sh.b * 2 * sh.g * sh.d * 2
-    assert flash[1] == 4 * (flash[0] - runs)
+    assert flash[1] == 4 * flash[0]                   # cuDNN and FA4 tiles hold no scores: linear
     assert torch_tiles[1] > 10 * torch_tiles[0]       # the torch tiles' scores: quadratic in the chunk
     # bench --simulate 8: one process replays every rank on the device, each rank a ring of 8's shard
     one = preflight.case_need(expand(big)[0], 8, False)[1]

@@ -66,6 +66,23 @@ def test_exposed_share_counts_overlapping_exchanges_once(frame):
     assert "exposed comm 90.0%" in text, text
 
 
+def test_an_exchange_is_exposed_only_where_no_compute_of_its_phase_runs(tmp_path):
+    """A forward run's messages are labelled with their own steps but posted at the step before the
+    run: step 1's K/V (labelled 0) and step 2's (labelled 1) both travel during step 0's compute
+    (0-4 ms); step 1 computes nothing (its rows are computed at step 2, 4-9 ms). Only what runs
+    past every compute of the phase is exposed: kv 1 runs 3-5 ms, 4-5 inside step 2: none; kv 0
+    runs 0-3.5. A backward exchange is not hidden by the forward's compute."""
+    rows = [_row(0, "iteration", -1, 0.0, 12.0, phase="fwdbwd"),
+            _row(0, "compute", 0, 0.0, 4.0, phase="fwd"), _row(0, "compute", 1, 4.0, 4.0, phase="fwd"),
+            _row(0, "compute", 2, 4.0, 9.0, phase="fwd"),
+            _row(0, "kv", 0, 0.0, 3.5, phase="fwd", overlap_ms=3.5, exposed_ms=0.0),
+            _row(0, "kv", 1, 3.0, 5.0, phase="fwd", overlap_ms=2.0, exposed_ms=0.0),
+            _row(0, "dkv", 0, 8.0, 11.0, phase="bwd", overlap_ms=0.0, exposed_ms=3.0)]
+    path = tmp_path / "runs.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    assert exposed_time(load([path])).iloc[0] == pytest.approx(3.0)
+
+
 def test_flops_print_in_a_unit_that_fits_per_gpu_or_per_rank():
     assert flops_text(312.0, "GPU") == "312 TFLOP/s per GPU"
     assert flops_text(0.0123, "rank") == "12.3 GFLOP/s per rank"

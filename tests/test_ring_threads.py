@@ -47,9 +47,9 @@ class Member:
             for t, peer in sends:
                 ring.box[(self.rank, peer, phase, kind, step)].append(t.clone())
             ring.cv.notify_all()
-        ring.events[self.rank].append(("post", phase, kind, step))
+        ring.events[self.rank].append(("post", phase, kind, step, bool(sends), bool(recvs)))
         return Arrival(ring, [(t, (peer, self.rank, phase, kind, step)) for t, peer in recvs],
-                       (self.rank, ("wait", phase, kind, step)))
+                       (self.rank, ("wait", phase, kind, step, bool(sends), bool(recvs))))
 
 
 class Arrival:
@@ -150,10 +150,47 @@ def test_a_forward_of_joined_runs_posts_a_whole_run_at_once_and_equals_the_refer
             if i:
                 expected += [("wait", "fwd", "kv", j - 1) for j in sorted(plan.landing) if plan.landing[j][0] == i]
             expected += [("post", "fwd", "kv", j - 1) for j in sorted(plan.posted_at) if plan.posted_at[j] == i]
-        assert [e for e in events[rank] if e[1:3] == ("fwd", "kv")] == expected, rank
-    first = [e[0] for e in events[0] if e[1:3] == ("fwd", "kv")]
+        received = [e[:4] for e in events[rank] if e[1:3] == ("fwd", "kv") and e[5]]
+        assert received == expected, rank
+    first = [e[0] for e in events[0] if e[1:3] == ("fwd", "kv") and e[5]]
     assert first == (["post"] * 3 + ["wait"] * 3 if joined else ["post", "wait"] * 3)
+    # every rank sends each message (labelled with its step less one) once, received once
+    sent = sorted((e[3], r) for r in range(cp) for e in events[r] if e[:3] == ("post", "fwd", "kv") and e[4])
+    assert sent == sorted((j - 1, r) for r in range(cp) for j in range(1, cp))
     ref = reference(inputs, spec)
     for name, want in (("out", ref.out), ("dq", ref.dq), ("dk", ref.dk), ("dv", ref.dv)):
         assert torch.allclose(got[name], want, atol=1e-12, rtol=0), name
     assert torch.allclose(sum(x.reshape(-1) for x in d_sinks), ref.d_offset.reshape(-1), atol=1e-12, rtol=0)
+
+
+class _Comm:
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+
+@pytest.mark.parametrize("cp", [3, 4, 8])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+def test_an_owner_posts_each_message_at_the_step_its_reader_posts_the_receive(cp, mask):
+    """Under a causal mask the ranks' runs differ (rank 5 at cp 8 needs step 5's K/V right after
+    its step 0; rank 0 computes steps 1..4 first): each message is posted by its owner and its
+    reader at the same step index, the reader's step before the run that reads it, so it is in
+    flight while that step computes on the reader whatever the owner's runs."""
+    from sinkprof.ring import DirectKV
+    from sinkprof.schedule import CommSchedule
+    spec = make_spec("vanilla", mask, None, "bshd")
+    c = 2048
+    schedule = CommSchedule(KVSchedule.DIRECT, cp, c, spec.band)
+    plans = schedule.forward_plans
+    kv = torch.zeros(1, 2 * c, 2, 1, 1)
+    movers = [DirectKV(_Comm(r, cp), kv, spec.qkv_format, "fwd", schedule, plans) for r in range(cp)]
+    for owner in range(cp):
+        for j in range(1, cp):
+            reader = (owner + j) % cp
+            at = plans[reader].posted_at[j]
+            assert (j, True, False) in movers[owner].posts[at] or (j, True, True) in movers[owner].posts[at]
+            assert any(p[0] == j and p[2] for p in movers[reader].posts[at])
+            assert at < plans[reader].landing[j][0]
+    if mask == "causal" and cp == 8:
+        assert plans[5].posted_at[5] == 0 and plans[0].posted_at[5] == 4
+        assert (5, True, False) in movers[0].posts[0]        # rank 0 sends rank 5's step 5 at its step 0
+        assert (5, False, True) in movers[0].posts[4]        # and receives its own at its step 4

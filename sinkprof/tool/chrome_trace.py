@@ -67,7 +67,7 @@ def trace(df: pd.DataFrame) -> dict:
                             args["bytes"] = int(r["bytes"])
                         events.append(_event(f"{r['phase']}{step} {r['kind']}{suffix}", "communication", rank, tid,
                                              ts, dur, args))
-                        for a, b in exposed_spans(r, computes.get((r["phase"], int(r["step"])))):
+                        for a, b in exposed_spans(r, [c for (phase, _), c in computes.items() if phase == r["phase"]]):
                             events.append(_event("exposed", "exposed", rank, tid, t + 1e3 * a, 1e3 * (b - a),
                                                  {"predicted": pred}))
             t += 1e3 * float(its_rows["end_ms"].max()) + GAP_US

@@ -128,7 +128,7 @@ def timeline(rows: pd.DataFrame, phase: str) -> Optional[bytes]:
             hatch = "//" if r["predicted"] else None
             ax.barh(y, r["end_ms"] - r["start_ms"], left=r["start_ms"], height=sub * 0.9, color=HIDDEN,
                     hatch=hatch, edgecolor="white", linewidth=0.5)
-            for a, b in exposed_spans(r, computes.get(int(r["step"]))):
+            for a, b in exposed_spans(r, computes.values()):
                 ax.barh(y, b - a, left=a, height=sub * 0.9, color=EXPOSED, hatch=hatch, edgecolor="white",
                         linewidth=0.5)
             step = "" if int(r["step"]) < 0 else f" {int(r['step'])}"

@@ -18,7 +18,7 @@ import torch
 
 from ..faults import RANK_FAILURES, Fault, Injected
 from ..kernels import resolve_backend
-from ..options import DTYPES, AttnSpec, Backend, CommType, KVSchedule, PackLayout, SoftmaxType, accum_dtype
+from ..options import DTYPES, AttnSpec, Backend, CommType, KVSchedule, PackLayout, QKVFormat, SoftmaxType, accum_dtype
 from ..plan import PARTS, RUN_ROWS, ring_plan, spec_layout
 from .cases import Case, a2a_members, expand
 
@@ -205,14 +205,17 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
     device += o_local * (min(PARTS, 2 * (ring - 1)) * elem + (acc if ring - 1 > PARTS else 0))
     kind = _ring_schedule(case, ranks) if ring > 1 else KVSchedule.RING
     gather = kind is KVSchedule.ALLGATHER
-    if kind is KVSchedule.DIRECT:   # the forward's two K/V buffers hold a joined run of steps (ring.DirectKV):
-        # up to RUN_ROWS rows each where a step's are fewer
+    if kind is KVSchedule.DIRECT:
+        kv_row = sh.b * 2 * max(1, sh.g // members) * sh.d * elem
         shard_rows = sh.s // ring
-        runs = max(0, min(RUN_ROWS, (ring - 1) * shard_rows) - shard_rows)
-        device += 2 * runs * sh.b * 2 * max(1, sh.g // members) * sh.d * elem
-    if kind is KVSchedule.DIRECT and elem < acc:   # the dK/dV parts that return in K/V's dtype, kept until the
-        # backward ends (ring.DirectDKV, half precision): at most a shard from every other rank
-        device += (ring - 1) * sh.b * (sh.s // ring) * 2 * max(1, sh.g // members) * sh.d * elem
+        # the forward's two K/V buffers hold a joined run of steps (ring.DirectKV: one sequence, rows
+        # outermost, no bias): up to RUN_ROWS rows each where a step's are fewer
+        fits = not case.bias and len(case.docs) <= 1 and (sh.b == 1 or case.spec().qkv_format is not QKVFormat.BSHD)
+        runs = 2 * max(0, min(RUN_ROWS, (ring - 1) * shard_rows) - shard_rows) * kv_row if fits else 0
+        # the dK/dV parts that return in K/V's dtype, kept until the backward ends (ring.DirectDKV, half
+        # precision): at most a shard from every other rank; the run buffers are gone by then
+        kept = (ring - 1) * shard_rows * kv_row if elem < acc else 0
+        device += max(runs, kept)
     if gather:   # at most the sequence's K/V three times (the rows read; the rows staged to send, and arrived),
         # and its dK/dV three times (the rows read; their parts going back, and arrived)
         kv_all = sh.b * sh.s * 2 * max(1, sh.g // members) * sh.d

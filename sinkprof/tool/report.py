@@ -259,14 +259,21 @@ def iteration_table(df: pd.DataFrame) -> pd.DataFrame:
     return out.merge(_predicted(df, CASE_KEYS).reset_index(), on=CASE_KEYS, how="left")
 
 
-def exposed_spans(comm, compute) -> list[tuple[float, float]]:
-    """The parts of one exchange [start, end] outside its step's compute (None: all of it)."""
+def exposed_spans(comm, computes) -> list[tuple[float, float]]:
+    """The parts of one exchange [start, end] during which its rank computed nothing of its phase
+    (``computes``: that phase's compute rows of the rank and iteration, any step: a forward run's
+    messages are posted at the step before the run and labelled with their own steps, and a dK/dV
+    part is hidden by the step after its own), as ``overlap_rows`` counts them."""
     s, e = float(comm["start_ms"]), float(comm["end_ms"])
-    if compute is None:
-        return [(s, e)]
-    cs, ce = float(compute["start_ms"]), float(compute["end_ms"])
-    spans = [(s, min(e, cs))] if s < cs else []
-    spans += [(max(s, ce), e)] if e > ce else []
+    spans, at = [], s
+    for cs, ce in sorted((float(c["start_ms"]), float(c["end_ms"])) for c in computes):
+        if ce <= at or cs >= e:
+            continue
+        if cs > at:
+            spans.append((at, cs))
+        at = max(at, ce)
+    if at < e:
+        spans.append((at, e))
     return [(a, b) for a, b in spans if b > a]
 
 
@@ -291,13 +298,13 @@ def exposed_time(df: pd.DataFrame) -> pd.Series:
         return pd.Series(dtype=float)
     out = {}
     for key, part in rows.groupby(keys, sort=False):
-        computes = {(c["phase"], int(c["step"])): c for _, c in part[part["kind"] == "compute"].iterrows()}
+        computes = [c for _, c in part[part["kind"] == "compute"].iterrows()]
         comm = part[part["kind"] != "compute"]
         if comm.empty:
             continue
         timed = comm["start_ms"].notna() & comm["end_ms"].notna()
         spans = [sp for _, r in comm[timed].iterrows()
-                 for sp in exposed_spans(r, computes.get((r["phase"], int(r["step"]))))]
+                 for sp in exposed_spans(r, [c for c in computes if c["phase"] == r["phase"]])]
         untimed = comm.loc[~timed, "exposed_ms"]
         out[key] = union_ms(spans) + (float(untimed.sum()) if untimed.notna().all() else float("nan"))
     return pd.Series(out, dtype=float).rename_axis(keys).rename("exposed_ms")
