@@ -317,14 +317,14 @@ if [[ $what == *" verify12 "* ]]; then   # <= 560 s: not yet run. Issue 15's pac
       --mask all --kv-schedule direct --dtype bf16,fp16 --sink-strategy all --batch 2 --seq-len 4096 --heads 8 \
       --kv-heads 4 --head-dim 128 --format json --output "$OUT/check_direct12.json"
 fi
-if [[ $what == *" final12 "* ]]; then   # <= 580 s: one call for what little device time is left: the joined runs'
+if [[ $what == *" final12 "* ]]; then   # <= 480 s: one call for what little device time is left: the joined runs'
   # GPU tests, the 4-rank check with b = 1 (bf16, fewer cases), and issue 11's rings at cp 4 and 8
-  run gpu_tests_final12 170 python3 -m pytest -q -x tests/test_gpu.py -k "joined_runs or (cuda_graph and fa4)"
-  run check_final12 110 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p --softmax vanilla,learnable \
+  run gpu_tests_final12 150 python3 -m pytest -q -x tests/test_gpu.py -k "joined_runs or (cuda_graph and fa4)"
+  run check_final12 90 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p --softmax vanilla,learnable \
       --mask all --kv-schedule direct --dtype bf16 --sink-strategy step0 --batch 1 --seq-len 8192 --heads 8 \
       --kv-heads 4 --head-dim 128 --format json --output "$OUT/check_final12.json"
-  run ring_bench_final12 290 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4,8;gpt-oss:8" \
-      --ring-backends fa4+comm --out "$OUT/ring_bench_final12.json"
+  run ring_bench_final12 230 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4,8;gpt-oss:8" \
+      --masks causal --ring-backends fa4+comm --out "$OUT/ring_bench_final12.json"
 fi
 if [[ $what == *" runs12 "* ]]; then   # <= 560 s: the forward's joined runs of steps on the GPU: its tests (fa4 and
   # cudnn tiles, b 1 and sbhd, cp 2-8), graph capture, the home dK/dV tests, and the 4-rank check with b = 1 (runs joined)
