@@ -62,6 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sinkprof import fused  # noqa: E402
+from sinkprof.dist import by_peer  # noqa: E402
 from sinkprof.kernels import get_kernel, unavailable_reason  # noqa: E402
 from sinkprof.options import Band, CPOptions, KVSchedule, PackLayout, SinkStrategy, make_spec  # noqa: E402
 from sinkprof.plan import join_runs, shard, spec_layout  # noqa: E402
@@ -285,8 +286,8 @@ class Loopback:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            self.received[(phase, kind)] += len(by_peer(recvs))   # a message a peer (K and V apart: two tensors)
             for n, (t, _) in enumerate(recvs):
-                self.received[(phase, kind)] += 1
                 self.received_bytes[(phase, kind)] += t.numel() * t.element_size()
                 same = n < len(sends) and (sends[n][0].shape, sends[n][0].dtype) == (t.shape, t.dtype)
                 src = sends[n][0] if same else None

@@ -46,21 +46,31 @@ where = Where()
 
 
 class Traffic(defaultdict):
-    """(phase, step, kind, peer) -> [messages sent, bytes sent, messages received, bytes received]."""
+    """(phase, step, kind, peer) -> [messages sent, bytes sent, messages received, bytes received].
+    A message is what one post moves to or from one peer, in one tensor or several (K and V
+    apart, ``ring.kv_pieces``)."""
 
     def __init__(self):
         super().__init__(lambda: [0, 0, 0, 0])
 
-    def sent(self, key: tuple, t: torch.Tensor) -> None:
+    def sent(self, key: tuple, tensors: list) -> None:
         self[key][0] += 1
-        self[key][1] += t.nbytes
+        self[key][1] += sum(t.nbytes for t in tensors)
 
-    def received(self, key: tuple, t: torch.Tensor) -> None:
+    def received(self, key: tuple, tensors: list) -> None:
         self[key][2] += 1
-        self[key][3] += t.nbytes
+        self[key][3] += sum(t.nbytes for t in tensors)
 
     def as_dict(self) -> dict:
         return {k: tuple(v) for k, v in self.items()}
+
+
+def by_peer(pairs: list) -> dict:
+    """``(tensor, peer)`` pairs as peer -> its tensors, in order: the messages of one post."""
+    out: dict = {}
+    for t, peer in pairs:
+        out.setdefault(peer, []).append(t)
+    return out
 
 
 class Pending:
@@ -131,11 +141,13 @@ class Communicator:
         where.phase, where.step, where.op = phase, step, f"{kind} exchange"
         tag = 2 * step + (kind != "kv")
         ops, staged = [], []
+        for peer, tensors in by_peer(sends).items():
+            self.traffic.sent((*key, peer), tensors)
+        for peer, tensors in by_peer(recvs).items():
+            self.traffic.received((*key, peer), tensors)
         for t, peer in sends:
-            self.traffic.sent((*key, peer), t)
             ops.append(dist.P2POp(dist.isend, t.cpu() if self._host(t) else t, self.ranks[peer], self.group, tag))
         for t, peer in recvs:
-            self.traffic.received((*key, peer), t)
             if self._host(t):
                 host = torch.empty(t.shape, dtype=t.dtype)
                 staged.append((t, host))
@@ -158,8 +170,8 @@ class Communicator:
         """``out[j]`` = rank j's ``inp[me]``: dim 0 of both is the group size."""
         for peer in range(self.size):
             if peer != self.rank:
-                self.traffic.sent((phase, -1, "a2a", peer), inp[peer])
-                self.traffic.received((phase, -1, "a2a", peer), out[peer])
+                self.traffic.sent((phase, -1, "a2a", peer), [inp[peer]])
+                self.traffic.received((phase, -1, "a2a", peer), [out[peer]])
         where.phase, where.step, where.op = phase, -1, what
         staged = self._host(inp)
         token = profiling.active.comm_start(phase, -1, "a2a", None,

@@ -365,12 +365,10 @@ def _backward_tiles(step: Step, *, k, v, dk, dv, write: bool, rows, sink, bias, 
                 bias.add_grad(step, t, grads.d_bias)
 
 
-def stacked(k: torch.Tensor, v: torch.Tensor, seq_dim: int) -> torch.Tensor:
-    """K and V in one buffer, a row's K beside its V (the pair dim right after ``seq_dim``), so a
-    range of rows is one contiguous message whenever ``seq_dim`` is the outermost dim of a row
-    range (sbhd, thd, bshd with b = 1). When k and v already are the two halves of such a
-    contiguous buffer (a fused K/V projection's ``[b, s, 2, g, d]`` output unbound, or the a2a's
-    re-layout), that buffer itself, without a copy."""
+def _fused(k: torch.Tensor, v: torch.Tensor, seq_dim: int) -> Optional[torch.Tensor]:
+    """The contiguous buffer whose two halves ``k`` and ``v`` already are, a row's K beside its V
+    (the pair dim right after ``seq_dim``: a fused K/V projection's ``[b, s, 2, g, d]`` output
+    unbound, or the a2a's re-layout), else None."""
     pair = seq_dim + 1
     shape, strides = list(k.shape), list(k.stride())
     half = math.prod(shape[pair:])
@@ -380,12 +378,40 @@ def stacked(k: torch.Tensor, v: torch.Tensor, seq_dim: int) -> torch.Tensor:
         kv = k.as_strided(shape[:pair] + [2] + shape[pair:], strides[:pair] + [half] + strides[pair:])
         if kv.is_contiguous():
             return kv
-    return torch.stack([k, v], dim=pair)
+    return None
+
+
+def stacked(k: torch.Tensor, v: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    """K and V in one buffer, a row's K beside its V (the pair dim right after ``seq_dim``), so a
+    range of rows is one contiguous message whenever ``seq_dim`` is the outermost dim of a row
+    range (sbhd, thd, bshd with b = 1): the buffer ``k`` and ``v`` are the halves of (``_fused``)
+    without a copy, else a copy of both."""
+    kv = _fused(k, v, seq_dim)
+    return torch.stack([k, v], dim=seq_dim + 1) if kv is None else kv
 
 
 def unstacked(kv: torch.Tensor, fmt) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``[b, h, s, d]`` views of K and V in a ``stacked`` buffer."""
     return fmt.to_bhsd(kv.select(fmt.seq_dim + 1, 0)), fmt.to_bhsd(kv.select(fmt.seq_dim + 1, 1))
+
+
+def kv_pieces(k: torch.Tensor, v: torch.Tensor, fmt, kind: KVSchedule) -> tuple[torch.Tensor, ...]:
+    """This rank's K and V as its schedule moves them, each piece's rows along ``fmt.seq_dim``:
+    ``(stacked,)`` (one message a range of rows) where the two are the halves of one buffer
+    (``_fused``) or the schedule moves one tensor (ring, allgather); else, under direct, ``(k, v)``
+    apart, each contiguous (two messages a range, sent from their own memory): stacking two
+    separate tensors is a copy of both in the forward's stream, 35 us of a 1-3.5 ms forward at
+    h16 d128 with 8k rows a rank (docs/benchmarks.md, eleventh GPU session)."""
+    sd = fmt.seq_dim
+    kv = _fused(k, v, sd)
+    if kv is not None or kind is not KVSchedule.DIRECT:
+        return (stacked(k, v, sd) if kv is None else kv,)
+    return k.contiguous(), v.contiguous()
+
+
+def kv_views(pieces: tuple[torch.Tensor, ...], fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[b, h, s, d]`` views of K and V in ``pieces`` (as ``kv_pieces`` gives them)."""
+    return unstacked(pieces[0], fmt) if len(pieces) == 1 else (fmt.to_bhsd(pieces[0]), fmt.to_bhsd(pieces[1]))
 
 
 class RingKV:
@@ -490,27 +516,29 @@ class DirectKV:
     the schedule and it is in flight while the reader computes that step: where the forward joins
     a run of steps into its last one (``Step.joins``), the whole run's messages at once, landing
     side by side in one buffer. Buffers alternate between the steps that compute after step 0;
-    step 0 reads the local shard. A step that reads nothing receives nothing.
+    step 0 reads the local shard. A step that reads nothing receives nothing. A message is one
+    tensor a piece of ``kv_pieces`` (K and V stacked, or K and V apart), each piece's rows in
+    buffers of their own.
 
     A run's messages are in flight at once, so they are sent from the owner's memory, never packed
     (``CommSchedule.forward_plans`` joins runs only where every message is one range of rows), and
     land in place: the buffer's rows must be contiguous per step, rows outermost (``runs_fit``)."""
 
-    def __init__(self, comm, kv: torch.Tensor, fmt, phase: str, schedule: CommSchedule, plans):
-        """``kv``: this rank's K and V, ``stacked``; ``plans``: every rank's steps (the forward's runs
-        joined, or not)."""
+    def __init__(self, comm, pieces: tuple[torch.Tensor, ...], fmt, phase: str, schedule: CommSchedule, plans):
+        """``pieces``: this rank's K and V (``kv_pieces``); ``plans``: every rank's steps (the
+        forward's runs joined, or not)."""
         self.comm, self.fmt, self.phase, self.schedule = comm, fmt, phase, schedule
         me, cp = comm.rank, comm.size
         self.plan = plan = plans[me]
-        self.own = kv
+        self.own = pieces
         self.sd = fmt.seq_dim
-        self.bufs = [_flat(self.own, self.sd, plan.buffer_rows) for _ in range(2)]
+        self.bufs = [[_flat(p, self.sd, plan.buffer_rows) for p in pieces] for _ in range(2)]
         computing = [s.index for s in plan.steps[1:] if plan.landing[s.index][0] == s.index]
         self.parity = {i: n % 2 for n, i in enumerate(computing, start=1)}   # a computing step's buffer
         # at each step, the messages posted then: (step, send, receive), steps in order
         self.posts = {i: [(j, plans[(me + j) % cp].posted_at[j] == i, plan.posted_at[j] == i) for j in range(1, cp)
                           if i in (plans[(me + j) % cp].posted_at[j], plan.posted_at[j])] for i in range(cp)}
-        self.out = None   # a send buffer, made the first time rows must be packed
+        self.out = [None] * len(pieces)   # a piece's send buffer, made the first time rows must be packed
         self.pending = []
         self.landing = []   # (buffer rows, message, [(buffer row, message row, rows)]) where they differ
 
@@ -527,14 +555,14 @@ class DirectKV:
             self._post(j, send, receive)
         if member:
             return None, None
-        kv = self.own if i == 0 else self._buffer(self.parity[i], 0, sum(
+        pieces = self.own if i == 0 else self._buffers(self.parity[i], 0, sum(
             self.plan.steps[j].held_rows for j in (*step.joins, i)))
-        return unstacked(kv, self.fmt)
+        return kv_views(pieces, self.fmt)
 
-    def _buffer(self, parity: int, at: int, rows: int) -> torch.Tensor:
-        """``rows`` rows from row ``at`` of buffer ``parity``, contiguous."""
-        row = self.own.numel() // self.own.shape[self.sd]
-        return _rows(self.bufs[parity][at * row:], self.own, self.sd, rows)
+    def _buffers(self, parity: int, at: int, rows: int) -> tuple[torch.Tensor, ...]:
+        """``rows`` rows from row ``at`` of each piece's buffer ``parity``, contiguous."""
+        return tuple(_rows(buf[at * (p.numel() // p.shape[self.sd]):], p, self.sd, rows)
+                     for buf, p in zip(self.bufs[parity], self.own))
 
     def _post(self, i: int, send: bool, receive: bool) -> None:
         me, cp, sd = self.comm.rank, self.comm.size, self.sd
@@ -544,24 +572,26 @@ class DirectKV:
         arriving = faults.active.sent_rows(self.phase, i, owner, me, held) if receive else ()
         sends, recvs = [], []
         if leaving:
-            sends.append((_message(self.own, sd, leaving, self._send_buffer), reader))
+            sends = [(_message(p, sd, leaving, lambda n, k=k: self._send_buffer(k, n)), reader)
+                     for k, p in enumerate(self.own)]
         if arriving:
             at, offset = self.plan.landing[i]
-            buf = self._buffer(self.parity[at], offset, rows_in(held))
-            if arriving == held:
-                recvs.append((buf, owner))
-            else:  # the message carries other rows than the buffer holds: place them, zero the rest
-                n = rows_in(arriving)
-                message = _rows(_flat(self.own, sd, n), self.own, sd, n)
-                self.landing.append((buf, message, _placement(held, arriving)))
-                recvs.append((message, owner))
+            for buf, p in zip(self._buffers(self.parity[at], offset, rows_in(held)), self.own):
+                if arriving == held:
+                    recvs.append((buf, owner))
+                else:  # the message carries other rows than the buffer holds: place them, zero the rest
+                    n = rows_in(arriving)
+                    message = _rows(_flat(p, sd, n), p, sd, n)
+                    self.landing.append((buf, message, _placement(held, arriving)))
+                    recvs.append((message, owner))
         if sends or recvs:
             self.pending.append(self.comm.post(sends, recvs, "kv", self.phase, i - 1))
 
-    def _send_buffer(self, rows: int) -> torch.Tensor:
-        if self.out is None:
-            self.out = _flat(self.own, self.sd, self.schedule.largest())
-        return _rows(self.out, self.own, self.sd, rows)
+    def _send_buffer(self, piece: int, rows: int) -> torch.Tensor:
+        own = self.own[piece]
+        if self.out[piece] is None:
+            self.out[piece] = _flat(own, self.sd, self.schedule.largest())
+        return _rows(self.out[piece], own, self.sd, rows)
 
     def _land(self) -> None:
         for buf, message, placement in self.landing:
@@ -811,20 +841,22 @@ def forward_plan(schedule: CommSchedule, rank: int, kv: torch.Tensor, fmt, biase
     return faults.active.ring_plan(forward_plans(schedule, kv, fmt, biased)[rank])
 
 
-def kv_movers(schedule: CommSchedule, comm, kv: torch.Tensor, fmt, phase: str, plans: tuple[RankPlan, ...],
-              acc=None):
+def kv_movers(schedule: CommSchedule, comm, pieces: tuple[torch.Tensor, ...], fmt, phase: str,
+              plans: tuple[RankPlan, ...], acc=None):
     """The ``KVSource`` (and in the backward, with ``acc`` the accumulator dtype, the ``DKVSink``)
-    that move a rank's K/V (``kv``: ``stacked``) and dK/dV under ``schedule``, for the steps of
-    ``plans`` (every rank's: where the forward joins runs, a rank sends as its readers need)."""
-    shape = kv.select(fmt.seq_dim + 1, 0).shape
+    that move a rank's K/V (``pieces``: ``kv_pieces``) and dK/dV under ``schedule``, for the steps
+    of ``plans`` (every rank's: where the forward joins runs, a rank sends as its readers need)."""
+    k = kv_views(pieces, fmt)[0]
+    shape, dtype = fmt.from_bhsd(k).shape, k.dtype
+    if schedule.kind is KVSchedule.DIRECT:
+        source = DirectKV(comm, pieces, fmt, phase, schedule, plans)
+        return source if acc is None else (source, DirectDKV(comm, shape, acc, k.device, fmt, schedule, dtype))
+    kv, = pieces   # ring and allgather move K and V stacked
     if schedule.kind is KVSchedule.ALLGATHER:
         source = GatherKV(comm, kv, fmt, phase, schedule)
         return source if acc is None else (source, GatherDKV(comm, shape, acc, kv.device, fmt, schedule))
-    if schedule.kind is KVSchedule.RING:
-        source = RingKV(comm, kv, fmt, phase)
-        return source if acc is None else (source, RingDKV(comm, shape, acc, kv.device, fmt))
-    source = DirectKV(comm, kv, fmt, phase, schedule, plans)
-    return source if acc is None else (source, DirectDKV(comm, shape, acc, kv.device, fmt, schedule, kv.dtype))
+    source = RingKV(comm, kv, fmt, phase)
+    return source if acc is None else (source, RingDKV(comm, shape, acc, kv.device, fmt))
 
 
 def schedule_for(opts: CPOptions, comm, k: torch.Tensor) -> CommSchedule:
@@ -843,8 +875,8 @@ class P2PAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, offset, bias, opts: CPOptions, comm):
         fmt = opts.spec.qkv_format
         schedule = schedule_for(opts, comm, k)
-        kv = stacked(k, v, fmt.seq_dim)   # kept for the backward, which moves them the same way
-        plans = forward_plans(schedule, kv, fmt, bias is not None)
+        pieces = kv_pieces(k, v, fmt, schedule.kind)   # kept for the backward, which moves them the same way
+        plans = forward_plans(schedule, pieces[0], fmt, bias is not None)
         plan = faults.active.ring_plan(plans[comm.rank])
         acc = accum_dtype(q.dtype)
         h = q.shape[2]
@@ -852,16 +884,17 @@ class P2PAttention(torch.autograd.Function):
         bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
         lse = torch.empty((q.shape[1 - fmt.seq_dim], h, q.shape[fmt.seq_dim]), dtype=acc, device=q.device)
         out = torch.empty_like(q)
-        run_forward(plan, kv_movers(schedule, comm, kv, fmt, "fwd", plans),
+        run_forward(plan, kv_movers(schedule, comm, pieces, fmt, "fwd", plans),
                     state=ForwardState.make(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), lse),
                     sink=sink, bias=bias_tiles, opts=opts)
-        ctx.save_for_backward(q, kv, out, lse, offset, bias)
+        ctx.save_for_backward(q, out, lse, offset, bias, *pieces)
         ctx.opts, ctx.comm, ctx.schedule, ctx.sink_is_param = opts, comm, schedule, offset is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, kv, out, lse, offset, bias = ctx.saved_tensors
+        q, out, lse, offset, bias, *pieces = ctx.saved_tensors
+        pieces = tuple(pieces)
         opts, comm, schedule = ctx.opts, ctx.comm, ctx.schedule
         plan = faults.active.ring_plan(schedule.plans[comm.rank])
         fmt = opts.spec.qkv_format
@@ -869,7 +902,7 @@ class P2PAttention(torch.autograd.Function):
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
         dq = torch.empty_like(q)    # the rows backward writes it once, at the end
-        source, dkv = kv_movers(schedule, comm, kv, fmt, "bwd", schedule.plans, acc)
+        source, dkv = kv_movers(schedule, comm, pieces, fmt, "bwd", schedule.plans, acc)
         d_sink = run_backward(plan, source, dkv,
                               state=BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), fmt.to_bhsd(grad_out), lse,
                                                   fmt.to_bhsd(dq)),
@@ -880,7 +913,7 @@ class P2PAttention(torch.autograd.Function):
             d_offset = d_sink if d_sink is not None else torch.zeros_like(offset)
         if bias is not None:
             d_bias = bias_tiles.grad.to(bias.dtype)
-        return dq, dk.to(kv.dtype), dv.to(kv.dtype), d_offset, d_bias, None, None
+        return dq, dk.to(pieces[0].dtype), dv.to(pieces[0].dtype), d_offset, d_bias, None, None
 
 
 def _bias_tiles(bias, plan: RankPlan, cp: int, acc) -> Optional[BiasTiles]:

@@ -80,22 +80,30 @@ def test_a_half_precision_offset_is_used_in_fp32_and_gets_its_gradient_in_its_dt
         assert torch.allclose(mine[3].grad.float(), ref[3].grad.to(dtype).float())
 
 
-def test_k_and_v_unbound_from_a_fused_kv_buffer_are_used_in_place_and_give_the_same_gradients(world, monkeypatch):
+@pytest.mark.parametrize("kv_schedule", ["ring", "direct", "allgather"])
+def test_k_and_v_unbound_from_a_fused_kv_buffer_are_used_in_place_and_give_the_same_gradients(world, monkeypatch,
+                                                                                               kv_schedule):
     """A fused K/V projection's ``[b, s, 2, g, d]`` output, unbound: the ring keeps that buffer
-    (no stacking copy, ``ring.stacked``) and the result and every gradient equal those of separate
-    k and v tensors; the gradient reaches the fused buffer."""
+    (no stacking copy, ``ring.kv_pieces``) under every schedule, and the result and every gradient
+    equal those of separate k and v tensors; the gradient reaches the fused buffer. Separate
+    tensors are stacked (a copy) where the schedule moves one tensor (ring, allgather) and moved as
+    they are under direct."""
     from sinkprof import ring
     q, k, v, a = _inputs(seed=3)
     fused = torch.stack([k, v], dim=2).requires_grad_()
     seen = []
-    real = ring.stacked
-    monkeypatch.setattr(ring, "stacked", lambda k_, v_, sd: seen.append(real(k_, v_, sd)) or seen[-1])
+    real = ring.kv_pieces
+    monkeypatch.setattr(ring, "kv_pieces", lambda *args: seen.append(real(*args)) or seen[-1])
     qf, af = q.clone().requires_grad_(), a.clone().requires_grad_()
-    out = sinkprof.cp_attention(qf, *fused.unbind(2), af, softmax_type="learnable", mask="causal")
-    assert seen and seen[0].data_ptr() == fused.data_ptr()      # the fused buffer itself, not a copy
+    out = sinkprof.cp_attention(qf, *fused.unbind(2), af, softmax_type="learnable", mask="causal",
+                                kv_schedule=kv_schedule)
+    assert len(seen[0]) == 1 and seen[0][0].data_ptr() == fused.data_ptr()   # the fused buffer itself, not a copy
     sep = [x.clone().requires_grad_() for x in (q, k, v, a)]
-    expected = sinkprof.cp_attention(*sep, softmax_type="learnable", mask="causal")
-    assert seen[1].data_ptr() not in (sep[1].data_ptr(), sep[2].data_ptr())   # separate tensors are stacked
+    expected = sinkprof.cp_attention(*sep, softmax_type="learnable", mask="causal", kv_schedule=kv_schedule)
+    if kv_schedule == "direct":   # K and V apart, their own memory
+        assert [p.data_ptr() for p in seen[1]] == [sep[1].data_ptr(), sep[2].data_ptr()]
+    else:                         # stacked: a copy of both
+        assert len(seen[1]) == 1 and seen[1][0].data_ptr() not in (sep[1].data_ptr(), sep[2].data_ptr())
     assert torch.equal(out, expected)
     dout = torch.randn_like(out)
     out.backward(dout)

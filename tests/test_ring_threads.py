@@ -47,9 +47,9 @@ class Member:
             for t, peer in sends:
                 ring.box[(self.rank, peer, phase, kind, step)].append(t.clone())
             ring.cv.notify_all()
-        ring.events[self.rank].append(("post", phase, kind, step, bool(sends), bool(recvs)))
+        ring.events[self.rank].append(("post", phase, kind, step, bool(sends), bool(recvs), len(sends), len(recvs)))
         return Arrival(ring, [(t, (peer, self.rank, phase, kind, step)) for t, peer in recvs],
-                       (self.rank, ("wait", phase, kind, step, bool(sends), bool(recvs))))
+                       (self.rank, ("wait", phase, kind, step, bool(sends), bool(recvs), len(sends), len(recvs))))
 
 
 class Arrival:
@@ -70,8 +70,9 @@ class _Ctx:
         self.saved_tensors = tensors
 
 
-def _run_threads(inputs, spec, cp: int, strategy: SinkStrategy, kv_schedule: KVSchedule):
-    """Every rank's ``P2PAttention`` forward then backward, one thread each; the results unsharded."""
+def _run_threads(inputs, spec, cp: int, strategy: SinkStrategy, kv_schedule: KVSchedule, fused: bool = False):
+    """Every rank's ``P2PAttention`` forward then backward, one thread each; the results unsharded.
+    ``fused``: each rank's k and v are the halves of one buffer (a fused K/V projection's output)."""
     sd = spec.qkv_format.seq_dim
     opts = CPOptions(spec, inputs.q.shape[3] ** -0.5, TorchTiles(), strategy, kv_schedule=kv_schedule)
     ring = ThreadRing(cp)
@@ -80,6 +81,8 @@ def _run_threads(inputs, spec, cp: int, strategy: SinkStrategy, kv_schedule: KVS
     def rank(r: int) -> None:
         try:
             q, k, v, do = (shard(x, cp, r, sd) for x in (inputs.q, inputs.k, inputs.v, inputs.grad_out))
+            if fused:
+                k, v = torch.stack([k, v], dim=sd + 1).unbind(sd + 1)
             ctx = _Ctx()
             out = P2PAttention.forward(ctx, q, k, v, inputs.offset, None, opts, ring.member(r))
             results[r] = (out, *P2PAttention.backward(ctx, do)[:4])
@@ -127,20 +130,22 @@ def test_the_threaded_ring_equals_the_emulator_bit_for_bit_in_bf16_under_direct(
         assert d_sinks == [None] * cp
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("fmt,b", [("bshd", 1), ("sbhd", 2), ("bshd", 2)])
 @pytest.mark.parametrize("mask", ["causal", "no_mask"])
-def test_a_forward_of_joined_runs_posts_a_whole_run_at_once_and_equals_the_reference(fmt, b, mask):
+def test_a_forward_of_joined_runs_posts_a_whole_run_at_once_and_equals_the_reference(fmt, b, mask, fused):
     """At cp 4 under direct a rank's forward joins its runs of steps (their rows side by side in
     one buffer, in place): as a step that computes starts, the messages of every step of the next
     run are posted, before any is waited for (rank 0 posts steps 1..3 at step 0), and the result
     (fp64) is the reference's. Where the rows are not outermost (bshd with b > 1) the steps are
-    not joined: one message ahead."""
+    not joined: one message ahead. K and V travel apart (two tensors a message), or ``fused`` as
+    the one buffer they are the halves of."""
     from sinkprof.schedule import CommSchedule
     from sinkprof.testing import reference
     cp = 4
     spec = make_spec("learnable", mask, None, fmt)
     inputs = make_inputs(Shape(b=b, s=64, h=4, g=2, d=8), spec, seed=5)
-    got, d_sinks, events = _run_threads(inputs, spec, cp, SinkStrategy.STEP0, KVSchedule.DIRECT)
+    got, d_sinks, events = _run_threads(inputs, spec, cp, SinkStrategy.STEP0, KVSchedule.DIRECT, fused)
     schedule = CommSchedule(KVSchedule.DIRECT, cp, 8, spec.band)
     joined = fmt == "sbhd" or b == 1
     for rank in range(cp):
@@ -157,6 +162,10 @@ def test_a_forward_of_joined_runs_posts_a_whole_run_at_once_and_equals_the_refer
     # every rank sends each message (labelled with its step less one) once, received once
     sent = sorted((e[3], r) for r in range(cp) for e in events[r] if e[:3] == ("post", "fwd", "kv") and e[4])
     assert sent == sorted((j - 1, r) for r in range(cp) for j in range(1, cp))
+    # a message is one tensor a piece: K and V stacked (fused) or apart
+    pieces = 1 if fused else 2
+    assert {e[6] for r in range(cp) for e in events[r] if e[:3] == ("post", "fwd", "kv") and e[4]} == {pieces}
+    assert {e[7] for r in range(cp) for e in events[r] if e[:3] == ("post", "fwd", "kv") and e[5]} == {pieces}
     ref = reference(inputs, spec)
     for name, want in (("out", ref.out), ("dq", ref.dq), ("dk", ref.dk), ("dv", ref.dv)):
         assert torch.allclose(got[name], want, atol=1e-12, rtol=0), name
@@ -181,7 +190,7 @@ def test_an_owner_posts_each_message_at_the_step_its_reader_posts_the_receive(cp
     c = 2048
     schedule = CommSchedule(KVSchedule.DIRECT, cp, c, spec.band)
     plans = schedule.forward_plans
-    kv = torch.zeros(1, 2 * c, 2, 1, 1)
+    kv = (torch.zeros(1, 2 * c, 1, 1), torch.zeros(1, 2 * c, 1, 1))
     movers = [DirectKV(_Comm(r, cp), kv, spec.qkv_format, "fwd", schedule, plans) for r in range(cp)]
     for owner in range(cp):
         for j in range(1, cp):
