@@ -7,7 +7,7 @@
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
-# layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13
+# layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -354,6 +354,15 @@ if [[ $what == *" verify13 "* ]]; then   # <= 560 s: K and V moved apart under d
       --kv-heads 4 --head-dim 128 --format json --output "$OUT/check13.json"
   run ring_bench13 230 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4,8;gpt-oss:8" \
       --ring-backends fa4+comm --out "$OUT/ring_bench13.json"
+fi
+if [[ $what == *" ab13 "* ]]; then   # <= 480 s: K and V moved apart under direct, against the stacked K/V of
+  # 1519f61 (its sinkprof and scripts in build/old, carried), back to back in one call; then the 4-rank direct checks
+  for v in old new; do
+    bench=scripts/bench_kernels.py; [[ $v == old ]] && bench=build/old/scripts/bench_kernels.py
+    run ring_bench13_$v 150 python3 $bench --skip-tiles --rings "h16-d128:2,4" --ring-backends fa4+comm \
+        --out "$OUT/ring_bench13_$v.json"
+  done
+  run gpu_tests13 150 python3 -m pytest -q -x tests/test_gpu.py -k "direct_backward_on_fa4"
 fi
 if [[ $what == *" prof12 "* ]]; then   # <= 420 s: where the forward's time goes at cp 2 and 4 (the ring's own code
   # against its calls standalone: 0.91-0.92 against 0.97-0.98 in rings12), then issue 15's pack honestly fed
