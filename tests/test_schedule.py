@@ -302,6 +302,32 @@ def test_a_range_of_stacked_rows_goes_out_from_the_shard_itself_when_it_is_conti
     assert two.data_ptr() == outs[1].data_ptr() and one.is_contiguous()
 
 
+@pytest.mark.parametrize("fmt,shape", [("bshd", (1, 12, 3, 4)), ("sbhd", (12, 2, 3, 4)), ("thd", (12, 3, 4))])
+def test_direct_moves_separate_k_and_v_apart_and_every_schedule_moves_a_fused_buffer_as_one(fmt, shape):
+    """``kv_pieces``: under direct, separate k and v are the pieces themselves (no copy; a
+    non-contiguous one made contiguous once); ring and allgather stack them; the halves of one
+    fused buffer are that buffer under every schedule. The views read back K and V."""
+    from sinkprof.options import QKVFormat
+    from sinkprof.ring import kv_pieces, kv_views
+    f = QKVFormat.parse(fmt, "qkv_format")
+    k, v = torch.randn(shape), torch.randn(shape)
+    apart = kv_pieces(k, v, f, KVSchedule.DIRECT)
+    assert [p.data_ptr() for p in apart] == [k.data_ptr(), v.data_ptr()]
+    strided = torch.randn(*shape[:-1], 2 * shape[-1])[..., ::2]   # not contiguous
+    copied = kv_pieces(strided, v, f, KVSchedule.DIRECT)
+    assert copied[0].is_contiguous() and torch.equal(copied[0], strided) and copied[1] is v
+    fused = torch.stack([k, v], dim=f.seq_dim + 1)
+    for kind in KVSchedule:
+        if kind is KVSchedule.AUTO:
+            continue
+        one = kv_pieces(*fused.unbind(f.seq_dim + 1), f, kind)
+        assert len(one) == 1 and one[0].data_ptr() == fused.data_ptr()
+        pieces = kv_pieces(k, v, f, kind)
+        assert len(pieces) == (2 if kind is KVSchedule.DIRECT else 1)
+        for got, want in zip(kv_views(pieces, f), (k, v)):
+            assert torch.equal(got, f.to_bhsd(want))
+
+
 def _rows_shape(x: torch.Tensor, dim: int, rows: int) -> list:
     shape = list(x.shape)
     shape[dim] = rows
