@@ -355,7 +355,7 @@ if [[ $what == *" verify13 "* ]]; then   # <= 560 s: K and V moved apart under d
   run ring_bench13 230 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4,8;gpt-oss:8" \
       --ring-backends fa4+comm --out "$OUT/ring_bench13.json"
 fi
-if [[ $what == *" ab13 "* ]]; then   # <= 480 s: K and V moved apart under direct, against the stacked K/V of
+if [[ $what == *" ab13 "* ]]; then   # <= 300 s: K and V moved apart under direct, against the stacked K/V of
   # 1519f61 (its sinkprof and scripts in build/old, carried), back to back in one call; then the 4-rank direct checks
   for v in old new; do
     bench=scripts/bench_kernels.py; [[ $v == old ]] && bench=build/old/scripts/bench_kernels.py
