@@ -357,12 +357,13 @@ if [[ $what == *" verify13 "* ]]; then   # <= 560 s: K and V moved apart under d
 fi
 if [[ $what == *" ab13 "* ]]; then   # <= 300 s: K and V moved apart under direct, against the stacked K/V of
   # 1519f61 (its sinkprof and scripts in build/old, carried), back to back in one call; then the 4-rank direct checks
+  # (AB_RINGS, AB_OLD_S, AB_NEW_S, AB_TESTS_S: what and how long, for a smaller budget)
   for v in old new; do
     bench=scripts/bench_kernels.py; [[ $v == old ]] && bench=build/old/scripts/bench_kernels.py
-    run ring_bench13_$v $([[ $v == old ]] && echo 120 || echo 100) python3 $bench --skip-tiles --rings "h16-d128:2,4" --ring-backends fa4+comm \
-        --out "$OUT/ring_bench13_$v.json"
+    run ring_bench13_$v $([[ $v == old ]] && echo ${AB_OLD_S:-120} || echo ${AB_NEW_S:-100}) python3 $bench --skip-tiles \
+        --rings "${AB_RINGS:-h16-d128:2,4}" --ring-backends fa4+comm --out "$OUT/ring_bench13_$v.json"
   done
-  run gpu_tests13 80 python3 -m pytest -q -x tests/test_gpu.py -k "direct_backward_on_fa4"
+  run gpu_tests13 ${AB_TESTS_S:-80} python3 -m pytest -q -x tests/test_gpu.py -k "direct_backward_on_fa4"
 fi
 if [[ $what == *" prof12 "* ]]; then   # <= 420 s: where the forward's time goes at cp 2 and 4 (the ring's own code
   # against its calls standalone: 0.91-0.92 against 0.97-0.98 in rings12), then issue 15's pack honestly fed
