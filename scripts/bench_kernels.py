@@ -18,10 +18,10 @@ the other ranks from memory, no communication) for vanilla, learnable ``step0`` 
 sequence (vanilla against vanilla, learnable against FA4 with the sink) is the ring efficiency.
 Beside each fa4 vanilla row, "its calls standalone": the efficiency that rank would have if its FA4
 calls, each timed standalone at its shape in the same run as the monolithic call, were all it did
-(what the tile shapes of its steps cost: the forward's runs of steps joined as the ring runs them,
+(what the tile shapes of its steps cost: its runs of steps joined as the ring runs them,
 ``plan.join_runs``; not an upper bound on the backward, where each standalone call pays FA4's pre-
-and post-processing passes that the ring pays once per row), and "the backward's joined into
-runs": the same were the backward's runs joined likewise (it is not: what that would give).
+and post-processing passes that the ring pays once per row), and "the backward's step by step":
+the same with the backward's runs not joined (what joining them gives).
 ``--ring-backends fa4+comm`` (any backend, ``+comm``) times instead what ``cp_attention`` runs on a
 rank: ``P2PAttention``'s forward and backward (its K/V and dK/dV buffers, exchanges and passes)
 over a loopback communicator whose messages are device copies on a
@@ -65,8 +65,8 @@ from sinkprof import fused  # noqa: E402
 from sinkprof.dist import by_peer  # noqa: E402
 from sinkprof.kernels import get_kernel, unavailable_reason  # noqa: E402
 from sinkprof.options import Band, CPOptions, KVSchedule, PackLayout, SinkStrategy, make_spec  # noqa: E402
-from sinkprof.plan import join_runs, shard, spec_layout  # noqa: E402
-from sinkprof.ring import (BackwardState, ForwardState, LocalDKV, LocalKV, P2PAttention, forward_plan,  # noqa: E402
+from sinkprof.plan import shard, spec_layout  # noqa: E402
+from sinkprof.ring import (BackwardState, ForwardState, LocalDKV, LocalKV, P2PAttention, joined_plan,  # noqa: E402
                            run_backward, run_forward)
 from sinkprof.schedule import CommSchedule  # noqa: E402
 from sinkprof.sink import merge_parts_, sink_grad  # noqa: E402
@@ -217,13 +217,12 @@ class RankRing:
 
 def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d, rows_path=True) -> RankRing:
     """One rank's whole schedule into preallocated buffers (every step reads its owner's shard in
-    place; under allgather the sequence, and under direct each forward run's K/V (``Step.joins``),
-    are put together once, before the timed calls);
+    place; under allgather the sequence, and under direct each run's K/V (``Step.joins``), are put
+    together once, before the timed calls);
     ``rows_path``: FA4's backward keeps dq across tiles (False: tile by tile)."""
-    plan = schedule.plans[rank]
     b, h = qh.shape[:2]
     opts = CPOptions(make_spec(softmax, mask, None, "bshd"), d ** -0.5, kernel, strategy)
-    forward = forward_plan(schedule, rank, qh.transpose(1, 2), opts.spec.qkv_format, False)   # runs joined
+    plan = joined_plan(schedule, rank, qh.transpose(1, 2), opts.spec.qkv_format, False)   # runs joined
     a = sink if softmax == "learnable" else None
     # buffers laid out as the ring lays them out (the user's bshd storage, seen as bhsd)
     lse = torch.empty(b, h, qh.shape[2], dtype=torch.float32, device=qh.device)
@@ -231,13 +230,13 @@ def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, 
     dq = torch.empty_like(qh)
     dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
     dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
-    fwd_state = ForwardState.make(forward, qh, out, lse)
+    fwd_state = ForwardState.make(plan, qh, out, lse)
     bwd_state = BackwardState(qh, out, dol, lse, dq)
     # made once: under allgather the K/V in sequence order are gathered at the first call, not timed
     kv_fwd, kv_bwd = LocalKV(ks, vs, schedule, rank, "fwd"), LocalKV(ks, vs, schedule, rank, "bwd")
 
     def fwd():
-        run_forward(forward, kv_fwd, state=fwd_state, sink=a, bias=None, opts=opts)
+        run_forward(plan, kv_fwd, state=fwd_state, sink=a, bias=None, opts=opts)
 
     def bwd():
         if kernel.name == "fa4":
@@ -467,16 +466,16 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
     if "fa4" in backends():
         for tag, a in (("vanilla", None), ("learnable", sink)):
             mono[f"fa4 {tag} fwd"], mono[f"fa4 {tag} bwd"] = fa4_direct(q, k, v, band, a, d ** -0.5)
-        # every timed rank's calls at their shapes, FA4 standalone, in the same interleaved run
-        # (the forward's with its runs of steps joined, as the ring runs them; the backward's also as
-        # they would be joined: what joining its runs would give)
-        calls, runs = {}, {}
+        # every timed rank's calls at their shapes, FA4 standalone, in the same interleaved run (with
+        # its runs of steps joined, as the ring runs them; the backward's also step by step: what
+        # joining its runs gives)
+        calls, steps = {}, {}
         for kind, schedule in schedules.items():
             for r in ranks:
-                calls[(kind.value, r, "fwd")] = rank_calls(schedule.forward_plans[r])
-                calls[(kind.value, r, "bwd")] = rank_calls(schedule.plans[r])
-                runs[(kind.value, r, "bwd")] = rank_calls(join_runs(schedule.plans[r]))
-        shapes = {c for cs in (*calls.values(), *runs.values()) if cs for c in cs}
+                for phase in ("fwd", "bwd"):
+                    calls[(kind.value, r, phase)] = rank_calls(schedule.joined_plans[r])
+                steps[(kind.value, r, "bwd")] = rank_calls(schedule.plans[r])
+        shapes = {c for cs in (*calls.values(), *steps.values()) if cs for c in cs}
         for n_q, n_kv, tile_band in sorted(shapes, key=str):
             key = shape_key(n_q, n_kv, tile_band)
             mono[f"{key} fwd"], mono[f"{key} bwd"] = fa4_direct(_rand(gen, b, n_q, h, d), _rand(gen, b, n_kv, g, d),
@@ -493,7 +492,7 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
     rows = with_rates(rows, total, mono_ms)
     if calls:
         rows = with_standalone_calls(rows, calls, total, mono_ms)
-        rows = with_standalone_calls(rows, runs, total, mono_ms, "runs")
+        rows = with_standalone_calls(rows, steps, total, mono_ms, "steps")
     return {"cp": cp, "shape": dict(b=b, h=h, g=g, s=s, d=d), "mask": mask, "rows": rows}
 
 
@@ -677,8 +676,8 @@ def _print_rows(rows: list, against: str) -> None:
                if "fwd_vs_fa4_mono" in row else "")
         if "fwd_vs_fa4_mono_calls_standalone" in row:
             eff += (f" (its calls standalone: {row['fwd_vs_fa4_mono_calls_standalone']:.3f}"
-                    f" / {row['bwd_vs_fa4_mono_calls_standalone']:.3f}; the backward's joined into runs:"
-                    f" {row['bwd_vs_fa4_mono_runs_standalone']:.3f})")
+                    f" / {row['bwd_vs_fa4_mono_calls_standalone']:.3f}; the backward's step by step:"
+                    f" {row['bwd_vs_fa4_mono_steps_standalone']:.3f})")
         print(f"{row['backend']:12s} {row['kv_schedule']:9s} {row['layout']:8s} {row['variant']:21s} rank {row['rank']}: "
               f"fwd {row['fwd_tflops']:6.1f} "
               f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step")

@@ -8,6 +8,7 @@
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
+# verify14 ab14
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -364,6 +365,23 @@ if [[ $what == *" ab13 "* ]]; then   # <= 300 s: K and V moved apart under direc
         --rings "${AB_RINGS:-h16-d128:2,4}" --ring-backends fa4+comm --out "$OUT/ring_bench13_$v.json"
   done
   run gpu_tests13 ${AB_TESTS_S:-80} python3 -m pytest -q -x tests/test_gpu.py -k "direct_backward_on_fa4"
+fi
+if [[ $what == *" verify14 "* ]]; then   # <= 540 s: the backward's joined runs (and K and V apart) on the GPU:
+  # the joined runs forward and backward on fa4 (emulated ring, cp 2-8), the 4-rank direct ring
+  # on fa4 in every layout, a 4-rank check of both dtypes and masks
+  run gpu_tests14 330 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "(joined_runs and fa4) or direct_backward_on_fa4 or (cuda_graph and fa4)"
+  run check14 200 $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a+p2p --softmax vanilla,learnable \
+      --mask all --kv-schedule direct --dtype bf16,fp16 --sink-strategy all --batch 1 --seq-len 8192 --heads 8 \
+      --kv-heads 4 --head-dim 128 --format json --output "$OUT/check14.json"
+fi
+if [[ $what == *" ab14 "* ]]; then   # <= 330 s: the backward's joined runs against the step-by-step backward
+  # of 7bdca7f (its sinkprof and scripts in build/old, carried), back to back in one call
+  for v in old new; do
+    bench=scripts/bench_kernels.py; [[ $v == old ]] && bench=build/old/scripts/bench_kernels.py
+    run ring_bench14_$v ${AB_S:-160} python3 $bench --skip-tiles --rings "${AB_RINGS:-h16-d128:4,8}" \
+        --ring-backends fa4+comm --out "$OUT/ring_bench14_$v.json"
+  done
 fi
 if [[ $what == *" prof12 "* ]]; then   # <= 420 s: where the forward's time goes at cp 2 and 4 (the ring's own code
   # against its calls standalone: 0.91-0.92 against 0.97-0.98 in rings12), then issue 15's pack honestly fed

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import faults
 from .a2a import join_outer
 from .kernels import TorchTiles
 from .options import AttnSpec, CPOptions, KVSchedule, QKVFormat, SinkStrategy, accum_dtype, check_a2a_size, check_heads, check_scale
 from .plan import shard, spec_layout, unshard
-from .ring import BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, forward_plan, run_backward, run_forward
+from .ring import (BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, joined_plan, run_backward,
+                   run_forward)
 from .schedule import comm_schedule, row_bytes
 from .sink import sink_logits
 from .testing import Inputs, Result
@@ -56,7 +56,8 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
     qs, ks, vs, dos = (shards(x) for x in (inputs.q, inputs.k, inputs.v, inputs.grad_out))
     g, b = inputs.k.shape[2], inputs.q.shape[1 - sd]
     schedule = comm_schedule(kv_schedule, cp, layout, spec.band, *row_bytes(b, g, dim, inputs.q.dtype))
-    plans = [faults.active.ring_plan(plan) for plan in schedule.plans]
+    # every rank's steps, its runs joined as the ring joins them (forward and backward)
+    plans = [joined_plan(schedule, r, ks[r], fmt, inputs.bias is not None) for r in ranks]
     positions = [layout.rows(r, dev) for r in ranks]
     biases = [BiasTiles(inputs.bias, plans[r], positions[r], positions, acc) if inputs.bias is not None else None
               for r in ranks]
@@ -66,7 +67,7 @@ def emulate_ring(inputs: Inputs, spec: AttnSpec, cp: int, strategy: SinkStrategy
         # NaN-filled: a row the plan forgets to write (or reads before writing) shows in the result
         lse = torch.full((qs[r].shape[1 - sd], h, qs[r].shape[sd]), float("nan"), dtype=acc, device=dev)
         out = torch.full_like(qs[r], float("nan"))
-        plan = forward_plan(schedule, r, ks[r], fmt, inputs.bias is not None)
+        plan = plans[r]
         run_forward(plan, LocalKV(bhsd(ks), bhsd(vs), schedule, r, "fwd"),
                     state=ForwardState.make(plan, fmt.to_bhsd(qs[r]), fmt.to_bhsd(out), lse, fill=float("nan")),
                     sink=sink, bias=biases[r], opts=opts)

@@ -79,6 +79,7 @@ class Step:
     joins: tuple[int, ...] = ()     # the forward's run of steps computed as one (``join_runs``): the earlier steps
                                     # whose held rows come before this step's own in its K/V buffer (they have no
                                     # tiles; their messages land in this step's buffer)
+    joined_rows: int = 0            # the held rows of those earlier steps, before this step's own in its buffer
 
     @property
     def held_rows(self) -> int:
@@ -103,14 +104,15 @@ class Step:
 
     @functools.cached_property
     def kv_cover(self) -> bool:
-        """The tiles' K/V rows are disjoint and cover every held row: each row's dK/dV comes from
-        exactly one tile, so a fresh accumulator is written by the tiles, not zeroed and added to."""
+        """The tiles' K/V rows are disjoint and cover every row of the step's buffer (a run's: its
+        joined steps' rows too): each row's dK/dV comes from exactly one tile, so a fresh
+        accumulator is written by the tiles, not zeroed and added to."""
         at = 0
         for rows in sorted((t.kv_rows for t in self.tiles), key=lambda r: r.start):
             if rows.start != at:
                 return False
             at = rows.stop
-        return at == self.held_rows
+        return at == self.joined_rows + self.held_rows
 
     def source_rows(self, rows: slice) -> slice:
         """The rows of the owner's shard behind ``rows`` of this step's K/V buffer (a tile's
@@ -158,6 +160,12 @@ class RankPlan:
                 out[j] = (step.index, at)
                 at += self.steps[j].held_rows
         return out
+
+    @functools.cached_property
+    def computed_at(self) -> dict[int, int]:
+        """Each step after step 0 -> the step whose call computes its tiles: its run's last step
+        (``Step.joins``), or itself. A backward sends its dK/dV from there."""
+        return {j: at for j, (at, _) in self.landing.items()}
 
     @functools.cached_property
     def posted_at(self) -> dict[int, int]:
@@ -752,13 +760,14 @@ def _packed(step: Step) -> Step:
 
 
 def join_runs(plan: RankPlan, max_rows: int = RUN_ROWS) -> RankPlan:
-    """The forward of ``plan`` with each run of later steps that one kernel call can take computed
-    as one: consecutive steps after step 0 with one tile each, over the same query rows, under a
+    """``plan`` with each run of later steps that one kernel call can take computed as one (in the
+    forward and in the backward): consecutive steps after step 0 with one tile each, over the same query rows, under a
     full band, reading every row the step holds (under ``direct``: a causal rank's steps 1..r, its
     steps r+1..cp-1, a full mask's later steps), their held rows together at most ``max_rows``.
     The run's last step computes one tile over its K/V buffer, which holds the rows of every step
-    of the run side by side (``Step.joins``); the earlier ones have no tiles. Messages, their rows
-    and their bytes stay per step; only where they land and when they are computed change. FA4's
+    of the run side by side (``Step.joins``, ``Step.joined_rows``); the earlier ones have no tiles.
+    Messages, their rows and their bytes stay per step; only where they land and when they are
+    computed change (in the backward, each step's dK/dV leave once the run's call is done). FA4's
     rate grows with a call's key loop (docs/design.md, section 7): one 8192 x 16384 call runs at
     664 TFLOP/s on the H200 where four 8192 x 4096 ones run at 616."""
     def joinable(step: Step) -> bool:
@@ -774,7 +783,8 @@ def join_runs(plan: RankPlan, max_rows: int = RUN_ROWS) -> RankPlan:
             rows = sum(s.held_rows for s in run)
             out.extend(dataclasses.replace(s, tiles=(), merges=0) for s in run[:-1])
             tile = dataclasses.replace(run[-1].tiles[0], kv_rows=slice(0, rows))
-            out.append(dataclasses.replace(run[-1], tiles=(tile,), joins=tuple(s.index for s in run[:-1])))
+            out.append(dataclasses.replace(run[-1], tiles=(tile,), joins=tuple(s.index for s in run[:-1]),
+                                           joined_rows=rows - run[-1].held_rows))
         else:
             out.extend(run)
         run.clear()

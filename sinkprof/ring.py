@@ -14,6 +14,7 @@ Tensors in the loops are ``[b, h, s, d]`` views (``[b, h, s]`` for lse), accumul
 """
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -169,21 +170,34 @@ class LocalDKV:
         return self.dks[owner], self.dvs[owner]
 
     def start(self, step: Step):
+        self.part = None
+        if not step.tiles:   # (a step of a run computes in the run's last step, ``Step.joins``)
+            return None, None, True
         dk, dv = self._home(step.kv_rank)
         narrow = self.schedule.partial_in_kv_dtype(self.reader, step.index) or (
             step.index == 0 and self.kv_dtype.itemsize < dk.element_size()
             and self.schedule.home_in_kv_dtype(self.reader))
-        if _whole(step, dk.shape[2]) and not step.gathered and not narrow:
-            self.part = None
+        if _whole(step, dk.shape[2]) and not step.gathered and not step.joins and not narrow:
             return dk, dv, False
-        shape = (*dk.shape[:2], step.held_rows, dk.shape[3])   # written where its tiles read every row once
-        dtype = self.kv_dtype if narrow else dk.dtype
+        # a run's rows: every step's side by side, as ``LocalKV`` puts their K/V
+        shape = (*dk.shape[:2], step.joined_rows + step.held_rows, dk.shape[3])
+        dtype = self.kv_dtype if narrow else dk.dtype   # written where its tiles read every row once
         self.part = tuple((x.new_empty if step.kv_cover else x.new_zeros)(shape, dtype=dtype) for x in (dk, dv))
         return (*self.part, step.kv_cover)
 
     def finish(self, step: Step) -> None:
-        """Rows held apart go home; the whole shard already is the owner's."""
+        """Rows held apart go home (a run's, each step's to its owner); the whole shard already is
+        the owner's."""
         if self.part is None:
+            return
+        if step.joins:
+            at = 0
+            for j in (*step.joins, step.index):
+                member = self.schedule.plans[self.reader].steps[j]
+                index = _held_index(member, self.part[0].device)
+                for home, part in zip(self._home(member.kv_rank), self.part):
+                    home.index_add_(2, index, part.narrow(2, at, member.held_rows).to(home.dtype))
+                at += member.held_rows
             return
         if step.gathered:
             for owner in range(self.schedule.cp):
@@ -521,7 +535,7 @@ class DirectKV:
     buffers of their own.
 
     A run's messages are in flight at once, so they are sent from the owner's memory, never packed
-    (``CommSchedule.forward_plans`` joins runs only where every message is one range of rows), and
+    (``CommSchedule.joined_plans`` joins runs only where every message is one range of rows), and
     land in place: the buffer's rows must be contiguous per step, rows outermost (``runs_fit``)."""
 
     def __init__(self, comm, pieces: tuple[torch.Tensor, ...], fmt, phase: str, schedule: CommSchedule, plans):
@@ -618,46 +632,74 @@ def _placement(held, arriving) -> list[tuple[int, int, int]]:
 
 class DirectDKV:
     """dK/dV of the rows a step read return to their owner, who sums them with its own in the
-    accumulator dtype: step i's part is posted once its tiles are in (with the part this rank's
-    reader ``rank + i`` returns). Step 0's tiles go straight into the home accumulator. A step
-    whose tiles write every row once (``Step.kv_cover``: causal and full masks) writes its part
-    (and step 0 the home accumulator) without zeroing it.
+    accumulator dtype. Step 0's tiles go straight into the home accumulator. A step that computes
+    (a run's last step, ``Step.joins``, or a step of its own) writes its part, the rows of every
+    step of its run side by side as ``DirectKV`` holds their K/V, without zeroing it where its
+    tiles write every row once (``Step.kv_cover``: causal and full masks), and once its tiles are
+    in posts each step's rows to that step's owner: dK and dV, two tensors a message, each rows
+    outermost (``runs_fit``) so that a step's rows are contiguous in either. This rank receives the
+    part of its reader ``rank + j`` for step j at the same point of the schedule, its own step of
+    the index at which the reader computes step j (``RankPlan.landing``). What was posted is waited
+    for at the next step that computes, after its tiles: a part is in flight while the next run
+    computes.
 
-    Such a part is kept and sent in K/V's dtype (``CommSchedule.partial_in_kv_dtype``): half the
-    bytes of an fp32 one for bf16/fp16. The ones that arrive that way each have a buffer of their
-    own and are summed once, at the end, with the home accumulator straight into K/V's dtype (one
-    pass, ``fused.sum_partials``, on CUDA; ~2 bytes an element a part where adding each into the
-    accumulator as it lands moves ~10); what they cost is memory: up to cp - 1 shards of dK/dV in
-    K/V's dtype until the backward ends. Parts in the accumulator dtype (all of them for fp32 and
-    fp64 K/V: nothing to save) are added as they land, after the next step computed. When every
-    part that returns is kept and step 0 writes every row once (``CommSchedule.home_in_kv_dtype``),
-    the home accumulator itself is in K/V's dtype: step 0's tiles write it as they write a part,
-    and the sum goes into it in place."""
+    A part written once per row is kept and sent in K/V's dtype (``CommSchedule.partial_in_kv_dtype``):
+    half the bytes of an fp32 one for bf16/fp16. The ones that arrive that way each have a buffer
+    of their own and are summed once, at the end, with the home accumulator straight into K/V's
+    dtype (one pass, ``fused.sum_partials``, on CUDA; ~2 bytes an element a part where adding each
+    into the accumulator as it lands moves ~10); what they cost is memory: up to cp - 1 shards of
+    dK/dV in K/V's dtype until the backward ends. Parts in the accumulator dtype (all of them for
+    fp32 and fp64 K/V: nothing to save) are added as they land. When every part that returns is
+    kept and step 0 writes every row once (``CommSchedule.home_in_kv_dtype``), the home
+    accumulator itself is in K/V's dtype: step 0's tiles write it as they write a part, and the
+    sum goes into it in place."""
 
-    def __init__(self, comm, shape, dtype: torch.dtype, device, fmt, schedule: CommSchedule, kv_dtype: torch.dtype):
+    def __init__(self, comm, shape, dtype: torch.dtype, device, fmt, schedule: CommSchedule, kv_dtype: torch.dtype,
+                 plans):
+        """``plans``: every rank's steps (runs joined, or not: ``joined_plans``), as ``DirectKV``."""
         self.comm, self.fmt, self.schedule, self.kv_dtype = comm, fmt, schedule, kv_dtype
+        me, cp = comm.rank, comm.size
+        self.plan = plan = plans[me]
         self.sd = fmt.seq_dim + 1
         like = torch.empty((2, *shape), dtype=dtype, device="meta")   # the accumulator's shape and dtype
         # kept only where K/V's dtype is narrower than the accumulator's (fp32/fp64 K/V: nothing to save)
         narrow = kv_dtype.itemsize < like.element_size()
         self.acc = torch.empty(like.shape, device=device,
-                               dtype=kv_dtype if narrow and schedule.home_in_kv_dtype(comm.rank) else dtype)
-        largest = schedule.largest()
-        self.parts = [_flat(like, self.sd, largest, device=device) for _ in range(2)]
-        self.incoming = [_flat(like, self.sd, largest, device=device) for _ in range(2)]
-        kept = schedule.kept_partials(comm.rank) if narrow else []
+                               dtype=kv_dtype if narrow and schedule.home_in_kv_dtype(me) else dtype)
+        computing = [s.index for s in plan.steps[1:] if plan.landing[s.index][0] == s.index]
+        self.parity = {i: n % 2 for n, i in enumerate(computing)}   # a computing step's part buffer
+        rows = max(plan.buffer_rows, schedule.largest())
+        self.parts = [_flat(like, self.sd, rows, device=device) for _ in range(2)]
+        kept = schedule.kept_partials(me) if narrow else []
         self.kept_buffer = _flat(like, self.sd, sum(rows_in(rows) for _, rows in kept), kv_dtype, device)
         self.kept, at = {}, 0   # step -> (its part's buffer, the rows of this rank's shard it carries)
         for i, rows in kept:
             self.kept[i] = (_rows(self.kept_buffer[at:], like, self.sd, rows_in(rows)), rows)
             at += self.kept[i][0].numel()
+        # at each step, the parts received then: (step j, the rows of this rank's shard it carries),
+        # and where those added as they land go: a buffer per batch landed together (the ones
+        # received from one computing step to the next), two batches alternating
+        self.arrivals = {i: [] for i in range(cp)}
+        for j in range(1, cp):
+            reader = (me + j) % cp
+            if self.schedule.kv_rows(reader, j):
+                self.arrivals[plans[reader].landing[j][0]].append(j)
+        self.batch = {i: sum(1 for c in computing if c <= i) for i in range(cp)}
+        batch_rows = collections.Counter()
+        for i, js in self.arrivals.items():
+            batch_rows[self.batch[i]] += sum(rows_in(schedule.kv_rows((me + j) % cp, j)) for j in js if j not in self.kept)
+        self.incoming = [_flat(like, self.sd, max(batch_rows.values(), default=0), device=device) for _ in range(2)]
+        self.incoming_at = 0   # rows of the current batch's buffer taken
         self.like = like
-        self.pending = None
-        self.arrived = None   # (message, rows of this rank's shard it carries): added once it is in
+        self.pending = []
+        self.arrived = []   # (message, rows of this rank's shard it carries): added once it is in
 
     def start(self, step: Step):
         i = step.index
-        part = self.acc if i == 0 else self._part(self.parts[i % 2], self.comm.rank, i, step.held_rows)
+        if i and self.plan.landing[i][0] != i:   # computed in its run's last step
+            return None, None, True
+        part = self.acc if i == 0 else self._part(self.parts[self.parity[i]], self.comm.rank, i,
+                                                  step.joined_rows + step.held_rows)
         if not step.kv_cover:
             # never step 0 of a home held in K/V's dtype (``home_in_kv_dtype``), but under a fault
             # that rewrites the plan (``Fault.DOC_LEAK``): its tiles then add in K/V's dtype
@@ -666,36 +708,51 @@ class DirectDKV:
 
     def _part(self, flat: torch.Tensor, reader: int, i: int, rows: int) -> torch.Tensor:
         """``rows`` rows of ``reader``'s step-``i`` partial in ``flat``, in the dtype it travels in
-        (``CommSchedule.partial_in_kv_dtype``)."""
+        (``CommSchedule.partial_in_kv_dtype``; every step of a run the same: one full tile each)."""
         if self.schedule.partial_in_kv_dtype(reader, i):
             flat = flat.view(self.kv_dtype)   # fits: K/V's dtype is never wider than the accumulator's
         return _rows(flat, self.like, self.sd, rows)
 
     def finish(self, step: Step) -> None:
-        self._land()
+        """Once the step's tiles are in: where it computes, wait for what was posted before (adding
+        the parts that arrived), then post each step j of its run, one post a step, its rows to
+        their owner with the part this rank's reader ``rank + j`` returns for it, if that reader
+        computes step j at this same index (both ends post a message at one point of the schedule,
+        in step order, so every rank's posts meet their peers' in one order)."""
         i, me, cp = step.index, self.comm.rank, self.comm.size
-        if i == 0:
-            return
-        owner, reader = (me - i) % cp, (me + i) % cp
-        theirs = self.schedule.kv_rows(reader, i)
-        sends = [(self._part(self.parts[i % 2], me, i, step.held_rows), owner)] if step.held else []
-        recvs = []
-        if i in self.kept:
-            recvs.append((self.kept[i][0], reader))
-        elif theirs:
-            message = self._part(self.incoming[i % 2], reader, i, rows_in(theirs))
-            self.arrived = (message, theirs)
-            recvs.append((message, reader))
-        if sends or recvs:
-            self.pending = self.comm.post(sends, recvs, "dkv", "bwd", i)
+        computes = i == 0 or self.plan.landing[i][0] == i
+        if computes:
+            self._land()
+        run = (*step.joins, i) if i and computes else ()
+        part = self._part(self.parts[self.parity[i]], me, i, step.joined_rows + step.held_rows) if run else None
+        for j in sorted({*run, *self.arrivals[i]}):
+            sends, recvs = [], []
+            rows = self.plan.steps[j].held_rows if j in run else 0
+            if rows:   # dK and dV apart: a step's rows are contiguous in each, not across the two
+                at = self.plan.landing[j][1]
+                sends = [(x.narrow(self.sd - 1, at, rows), (me - j) % cp) for x in part]
+            if j in self.arrivals[i]:
+                reader = (me + j) % cp
+                if j in self.kept:
+                    message = self.kept[j][0]
+                else:
+                    theirs = self.schedule.kv_rows(reader, j)
+                    message = self._part(self.incoming[self.batch[i] % 2][self.incoming_at:], reader, j,
+                                         rows_in(theirs))
+                    self.incoming_at += message.numel()
+                    self.arrived.append((message, theirs))
+                recvs = [(x, reader) for x in message]
+            if sends or recvs:
+                self.pending.append(self.comm.post(sends, recvs, "dkv", "bwd", j))
 
     def _land(self) -> None:
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-        if self.arrived is not None:
-            self._add(*self.arrived)
-            self.arrived = None
+        for pending in self.pending:
+            pending.wait()
+        self.pending = []
+        for message, rows in self.arrived:
+            self._add(message, rows)
+        self.arrived = []
+        self.incoming_at = 0
 
     def _add(self, message: torch.Tensor, rows, into: Optional[torch.Tensor] = None) -> None:
         into = self.acc if into is None else into
@@ -829,16 +886,18 @@ def runs_fit(x: torch.Tensor, fmt) -> bool:
     return math.prod(x.shape[:fmt.seq_dim]) == 1
 
 
-def forward_plans(schedule: CommSchedule, kv: torch.Tensor, fmt, biased: bool) -> tuple[RankPlan, ...]:
-    """Every rank's forward: its runs of steps joined (``CommSchedule.forward_plans``) where the
-    messages can land side by side (``runs_fit``) and no bias is sliced per step's owner
-    (``BiasTiles``), else the plain plans (the same choice on every rank: the same shapes)."""
-    return schedule.forward_plans if runs_fit(kv, fmt) and not biased else schedule.plans
+def joined_plans(schedule: CommSchedule, kv: torch.Tensor, fmt, biased: bool) -> tuple[RankPlan, ...]:
+    """Every rank's steps, forward and backward: its runs of steps joined
+    (``CommSchedule.joined_plans``) where the messages can land side by side (``runs_fit``) and no
+    bias is sliced per step's owner (``BiasTiles``), else the plain plans (the same choice on every
+    rank: the same shapes)."""
+    return schedule.joined_plans if runs_fit(kv, fmt) and not biased else schedule.plans
 
 
-def forward_plan(schedule: CommSchedule, rank: int, kv: torch.Tensor, fmt, biased: bool) -> RankPlan:
-    """The plan ``rank``'s forward runs (``forward_plans``, through ``faults.active.ring_plan``)."""
-    return faults.active.ring_plan(forward_plans(schedule, kv, fmt, biased)[rank])
+def joined_plan(schedule: CommSchedule, rank: int, kv: torch.Tensor, fmt, biased: bool) -> RankPlan:
+    """The plan ``rank`` runs, forward and backward (``joined_plans``, through
+    ``faults.active.ring_plan``)."""
+    return faults.active.ring_plan(joined_plans(schedule, kv, fmt, biased)[rank])
 
 
 def kv_movers(schedule: CommSchedule, comm, pieces: tuple[torch.Tensor, ...], fmt, phase: str,
@@ -850,7 +909,7 @@ def kv_movers(schedule: CommSchedule, comm, pieces: tuple[torch.Tensor, ...], fm
     shape, dtype = fmt.from_bhsd(k).shape, k.dtype
     if schedule.kind is KVSchedule.DIRECT:
         source = DirectKV(comm, pieces, fmt, phase, schedule, plans)
-        return source if acc is None else (source, DirectDKV(comm, shape, acc, k.device, fmt, schedule, dtype))
+        return source if acc is None else (source, DirectDKV(comm, shape, acc, k.device, fmt, schedule, dtype, plans))
     kv, = pieces   # ring and allgather move K and V stacked
     if schedule.kind is KVSchedule.ALLGATHER:
         source = GatherKV(comm, kv, fmt, phase, schedule)
@@ -876,7 +935,7 @@ class P2PAttention(torch.autograd.Function):
         fmt = opts.spec.qkv_format
         schedule = schedule_for(opts, comm, k)
         pieces = kv_pieces(k, v, fmt, schedule.kind)   # kept for the backward, which moves them the same way
-        plans = forward_plans(schedule, pieces[0], fmt, bias is not None)
+        plans = joined_plans(schedule, pieces[0], fmt, bias is not None)
         plan = faults.active.ring_plan(plans[comm.rank])
         acc = accum_dtype(q.dtype)
         h = q.shape[2]
@@ -888,21 +947,22 @@ class P2PAttention(torch.autograd.Function):
                     state=ForwardState.make(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), lse),
                     sink=sink, bias=bias_tiles, opts=opts)
         ctx.save_for_backward(q, out, lse, offset, bias, *pieces)
-        ctx.opts, ctx.comm, ctx.schedule, ctx.sink_is_param = opts, comm, schedule, offset is not None
+        ctx.opts, ctx.comm, ctx.schedule, ctx.plans = opts, comm, schedule, plans
+        ctx.sink_is_param = offset is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, out, lse, offset, bias, *pieces = ctx.saved_tensors
         pieces = tuple(pieces)
-        opts, comm, schedule = ctx.opts, ctx.comm, ctx.schedule
-        plan = faults.active.ring_plan(schedule.plans[comm.rank])
+        opts, comm, schedule, plans = ctx.opts, ctx.comm, ctx.schedule, ctx.plans   # the forward's runs joined
+        plan = faults.active.ring_plan(plans[comm.rank])
         fmt = opts.spec.qkv_format
         acc = accum_dtype(q.dtype)
         sink = faults.active.ring_sink(sink_logits(opts.spec.softmax_type, offset, q.shape[2], q.device))
         bias_tiles = _bias_tiles(bias, plan, comm.size, acc)
         dq = torch.empty_like(q)    # the rows backward writes it once, at the end
-        source, dkv = kv_movers(schedule, comm, pieces, fmt, "bwd", schedule.plans, acc)
+        source, dkv = kv_movers(schedule, comm, pieces, fmt, "bwd", plans, acc)
         d_sink = run_backward(plan, source, dkv,
                               state=BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), fmt.to_bhsd(grad_out), lse,
                                                   fmt.to_bhsd(dq)),

@@ -115,11 +115,12 @@ class CommSchedule:
         return max((s.held_rows for p in self.plans for s in p.steps[1:]), default=0)
 
     @functools.cached_property
-    def forward_plans(self) -> tuple[RankPlan, ...]:
-        """Every rank's forward with its runs of steps joined (``plan.join_runs``) under ``direct``,
-        where every message is one range of its owner's rows (sent from the owner's memory, never
-        packed: a run's messages are in flight at once); else ``plans``. The backward runs ``plans``:
-        its dK/dV go back to each step's owner."""
+    def joined_plans(self) -> tuple[RankPlan, ...]:
+        """Every rank's steps with its runs joined (``plan.join_runs``), forward and backward, under
+        ``direct``, where every message is one range of its owner's rows (sent from the owner's
+        memory, never packed: a run's messages are in flight at once, and a run's dK/dV go back to
+        each step's owner from the rows of one call's output); else ``plans``. Messages, rows and
+        bytes are the same as ``plans``' (``kv_rows``, ``transfers``)."""
         if self.kind is not KVSchedule.DIRECT or any(len(s.held) > 1 for p in self.plans for s in p.steps[1:]):
             return self.plans
         return tuple(join_runs(p) for p in self.plans)

@@ -259,7 +259,7 @@ def test_a_ranks_calls_are_its_steps_tiles_and_their_standalone_time_its_shape_c
     calls = bk.rank_calls(schedule.plans[4])
     assert calls == [(2 * c, 2 * c, Band(None, 0))] + [(2 * c, c, Band())] * 4 + [(c, 2 * c, Band())] * 3
     assert bk.rank_calls(schedule.plans[0]) == [(2 * c, 2 * c, Band(None, 0))] + [(c, 2 * c, Band())] * 7
-    assert bk.rank_calls(schedule.forward_plans[4]) == [(2 * c, 2 * c, Band(None, 0)), (2 * c, 4 * c, Band()),
+    assert bk.rank_calls(schedule.joined_plans[4]) == [(2 * c, 2 * c, Band(None, 0)), (2 * c, 4 * c, Band()),
                                                         (c, 4 * c, Band()), (c, 2 * c, Band())]
     assert bk.rank_calls(join_runs(schedule.plans[7])) == [(2 * c, 2 * c, Band(None, 0)), (2 * c, 4 * c, Band()),
                                                            (2 * c, 3 * c, Band())]
@@ -272,7 +272,7 @@ def test_a_ranks_calls_are_its_steps_tiles_and_their_standalone_time_its_shape_c
     rows = [dict(backend=backend, kv_schedule=kv, rank=4, flops=1, variant=variant)
             for backend, kv, variant in [("fa4+comm", "direct", "vanilla step0"), ("fa4", "ring", "vanilla step0"),
                                          ("cudnn", "direct", "vanilla step0"), ("fa4", "direct", "learnable step0")]]
-    per_phase = {("direct", 4, "fwd"): bk.rank_calls(schedule.forward_plans[4]), ("direct", 4, "bwd"): calls}
+    per_phase = {("direct", 4, "fwd"): bk.rank_calls(schedule.joined_plans[4]), ("direct", 4, "bwd"): calls}
     out = bk.with_standalone_calls(rows, per_phase, 8, timed)
     assert out[0]["fwd_vs_fa4_mono_calls_standalone"] == pytest.approx(16.0 / 8 / (0.5 + 0.9 + 0.38 + 0.2))
     assert out[0]["bwd_vs_fa4_mono_calls_standalone"] == pytest.approx(40.0 / 8 / (2.5 * (0.5 + 4 * 0.25 + 3 * 0.2)))

@@ -135,14 +135,15 @@ def test_the_allgather_schedule_on_gpu_tiles_matches_the_reference(gpu_kernel, c
 @pytest.mark.parametrize("cp", [2, 4, 8])
 @pytest.mark.parametrize("mask", ["causal", "no_mask"])
 @pytest.mark.parametrize("fmt,b", [("bshd", 1), ("sbhd", 2)])
-def test_the_forward_of_joined_runs_on_gpu_tiles_matches_the_reference(gpu_kernel, cp, mask, fmt, b):
-    """Under direct, with the rows outermost, the forward joins its runs of steps into one call over
-    their K/V side by side (``plan.join_runs``); learnable sink, both strategies."""
+def test_joined_runs_on_gpu_tiles_match_the_reference_forward_and_backward(gpu_kernel, cp, mask, fmt, b):
+    """Under direct, with the rows outermost, the ring joins its runs of steps into one call over
+    their K/V side by side (``plan.join_runs``), in the forward and in the backward (one call's dK/dV
+    for every step of the run); learnable sink, both strategies."""
     from sinkprof.schedule import CommSchedule
     spec = make_spec("learnable", mask, None, fmt)
     s = 256 * cp
     schedule = CommSchedule(KVSchedule.DIRECT, cp, s // (2 * cp), spec.band)
-    assert any(st.joins for p in schedule.forward_plans for st in p.steps) == (cp > 2)   # cp 2: one later step
+    assert any(st.joins for p in schedule.joined_plans for st in p.steps) == (cp > 2)   # cp 2: one later step
     x = make_inputs(Shape(b=b, s=s, h=8, g=2, d=64), spec, seed=cp).to("cuda", torch.bfloat16)
     ref = reference(x.to("cuda", torch.float64), spec)
     tol = tolerance_for(torch.bfloat16, gqa=True)

@@ -297,7 +297,7 @@ def test_a_causal_rank_joins_its_steps_over_all_its_rows_and_over_its_second_chu
     and allgather schedules, are not joined; nor are packs (several tiles a step)."""
     c = 4096
     causal = CommSchedule(KVSchedule.DIRECT, 8, c, Band(None, 0))
-    plan = causal.forward_plans[4]
+    plan = causal.joined_plans[4]
     assert [s.joins for s in plan.steps] == [(), (), (), (), (1, 2, 3), (), (5,), ()]
     assert [[(t.q_rows, t.kv_rows) for t in s.tiles] for s in plan.steps if s.tiles][1:] == [
         [(slice(0, 2 * c), slice(0, 4 * c))], [(slice(c, 2 * c), slice(0, 4 * c))],
@@ -306,10 +306,10 @@ def test_a_causal_rank_joins_its_steps_over_all_its_rows_and_over_its_second_chu
     assert plan.landing == {1: (4, 0), 2: (4, c), 3: (4, 2 * c), 4: (4, 3 * c), 5: (6, 0), 6: (6, 2 * c),
                             7: (7, 0)}
     assert causal.plans[4].steps[4].joins == () and causal.plans[4].posted_at == {i: i - 1 for i in range(1, 8)}
-    full = CommSchedule(KVSchedule.DIRECT, 8, c, Band()).forward_plans[0]
+    full = CommSchedule(KVSchedule.DIRECT, 8, c, Band()).joined_plans[0]
     assert [s.joins for s in full.steps] == [(), (), (1,), (), (3,), (), (5,), ()]
     for kind in (KVSchedule.RING, KVSchedule.ALLGATHER):
         other = CommSchedule(kind, 8, c, Band(None, 0))
-        assert other.forward_plans is other.plans
+        assert other.joined_plans is other.plans
     pack = CommSchedule(KVSchedule.DIRECT, 4, (8, 4), Band(None, 0))
-    assert pack.forward_plans is pack.plans
+    assert pack.joined_plans is pack.plans

@@ -153,9 +153,9 @@ def test_allgather_is_counted_with_the_whole_sequences_kv_and_its_wider_tiles():
 def test_direct_is_counted_with_the_dkv_parts_it_keeps_until_the_end():
     """Under direct an owner keeps the dK/dV parts that return in K/V's dtype until the backward
     ends (``ring.DirectDKV``): up to a shard from each of the other ranks, beyond the ring's need.
-    Where the forward joins runs of steps (b = 1 here), its two K/V buffers hold a run, here three
-    shards' rows, not one (two shards more each), gone before the backward keeps its parts: the
-    larger of the two counts."""
+    Where the ring joins runs of steps (b = 1 here), its two K/V buffers hold a run, here three
+    shards' rows, not one (two shards more each), and in the backward so do its two dK/dV parts, in
+    the accumulator dtype, while the kept parts come in: all of them count."""
     def need(kind, dtype, ranks=4, batch=2):
         return preflight.case_need(expand(Settings(seq_len=4096, kv_schedule=(kind,), dtype=(dtype,),
                                                    ranks=ranks, batch=batch))[0], ranks, False)
@@ -165,8 +165,8 @@ def test_direct_is_counted_with_the_dkv_parts_it_keeps_until_the_end():
     assert need("direct", "bf16")[1] - need("ring", "bf16")[1] == 3 * shard * 2
     assert need("direct", "fp64") == need("ring", "fp64")      # K/V's dtype is the accumulator's: nothing kept
     one = shard // 2                                            # b = 1
-    assert need("direct", "bf16", batch=1)[1] - need("ring", "bf16", batch=1)[1] == 2 * 2 * one * 2
-    assert need("direct", "fp64", batch=1)[1] - need("ring", "fp64", batch=1)[1] == 2 * 2 * one * 8
+    assert need("direct", "bf16", batch=1)[1] - need("ring", "bf16", batch=1)[1] == 2 * 2 * one * (2 + 4) + 3 * one * 2
+    assert need("direct", "fp64", batch=1)[1] - need("ring", "fp64", batch=1)[1] == 2 * 2 * one * (8 + 8)
     assert need("direct", "bf16", ranks=1) == need("ring", "bf16", ranks=1)
 
 

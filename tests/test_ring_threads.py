@@ -149,7 +149,7 @@ def test_a_forward_of_joined_runs_posts_a_whole_run_at_once_and_equals_the_refer
     schedule = CommSchedule(KVSchedule.DIRECT, cp, 8, spec.band)
     joined = fmt == "sbhd" or b == 1
     for rank in range(cp):
-        plan = (schedule.forward_plans if joined else schedule.plans)[rank]
+        plan = (schedule.joined_plans if joined else schedule.plans)[rank]
         expected = []
         for i in [0] + [s_.index for s_ in plan.steps[1:] if plan.landing[s_.index][0] == s_.index]:
             if i:
@@ -189,7 +189,7 @@ def test_an_owner_posts_each_message_at_the_step_its_reader_posts_the_receive(cp
     spec = make_spec("vanilla", mask, None, "bshd")
     c = 2048
     schedule = CommSchedule(KVSchedule.DIRECT, cp, c, spec.band)
-    plans = schedule.forward_plans
+    plans = schedule.joined_plans
     kv = (torch.zeros(1, 2 * c, 1, 1), torch.zeros(1, 2 * c, 1, 1))
     movers = [DirectKV(_Comm(r, cp), kv, spec.qkv_format, "fwd", schedule, plans) for r in range(cp)]
     for owner in range(cp):
@@ -203,3 +203,51 @@ def test_an_owner_posts_each_message_at_the_step_its_reader_posts_the_receive(cp
         assert plans[5].posted_at[5] == 0 and plans[0].posted_at[5] == 4
         assert (5, True, False) in movers[0].posts[0]        # rank 0 sends rank 5's step 5 at its step 0
         assert (5, False, True) in movers[0].posts[4]        # and receives its own at its step 4
+
+
+@pytest.mark.parametrize("cp", [4, 8])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+def test_a_backward_of_joined_runs_returns_each_steps_dkv_at_the_end_of_its_run_in_one_order(cp, mask):
+    """Under direct the backward joins the forward's runs (``joined_plans``): a run's K/V messages
+    are posted together and each of its steps' dK/dV leaves, dK and dV apart (two tensors), once
+    the run's call is done (``RankPlan.computed_at``). Its owner posts the receive at its own step
+    of that index, in the same post as the dK/dV it sends for the same step j if it sends then:
+    every rank's posts go in the order (index, j), so batches of NCCL p2p calls, which run in
+    order on one stream, meet their peers' in one order. The result (fp64) is the reference's."""
+    from sinkprof.schedule import CommSchedule
+    from sinkprof.testing import reference
+    spec = make_spec("learnable", mask, None, "sbhd")
+    s = 64 if cp == 4 else 128
+    inputs = make_inputs(Shape(b=2, s=s, h=4, g=2, d=8), spec, seed=9)
+    got, d_sinks, events = _run_threads(inputs, spec, cp, SinkStrategy.STEP0, KVSchedule.DIRECT)
+    plans = CommSchedule(KVSchedule.DIRECT, cp, s // (2 * cp), spec.band).joined_plans
+    assert any(st.joins for p in plans for st in p.steps)
+    sent = []
+    for rank in range(cp):
+        plan = plans[rank]
+        # the backward's K/V: as the forward's, a run's messages posted together
+        expected = []
+        for i in [0] + [st.index for st in plan.steps[1:] if plan.computed_at[st.index] == st.index]:
+            if i:
+                expected += [("wait", "bwd", "kv", j - 1) for j in sorted(plan.computed_at) if plan.computed_at[j] == i]
+            expected += [("post", "bwd", "kv", j - 1) for j in sorted(plan.posted_at) if plan.posted_at[j] == i]
+        assert [e[:4] for e in events[rank] if e[1:3] == ("bwd", "kv") and e[5]] == expected, rank
+        keys = []
+        for e in events[rank]:
+            if e[:3] != ("post", "bwd", "dkv"):
+                continue
+            j, sends, recvs, n_sends, n_recvs = e[3:]
+            at = {plan.computed_at[j]} if sends else set()
+            at |= {plans[(rank + j) % cp].computed_at[j]} if recvs else set()
+            assert len(at) == 1, (rank, j, at)   # a send and a receive in one post: one index
+            keys.append((at.pop(), j))
+            assert n_sends in (0, 2) and n_recvs in (0, 2)   # dK and dV apart
+            if sends:
+                sent.append((rank, j))
+        assert keys == sorted(keys), rank
+    assert sorted(sent) == [(r, j) for r in range(cp) for j in range(1, cp)
+                            if plans[r].steps[j].held_rows]
+    ref = reference(inputs, spec)
+    for name, want in (("out", ref.out), ("dq", ref.dq), ("dk", ref.dk), ("dv", ref.dv)):
+        assert torch.allclose(got[name], want, atol=1e-12, rtol=0), name
+    assert torch.allclose(sum(x.reshape(-1) for x in d_sinks), ref.d_offset.reshape(-1), atol=1e-12, rtol=0)

@@ -27,7 +27,7 @@ from ..faults import RANK_FAILURES, Fault
 from ..kernels import get_kernel
 from ..options import DTYPES, CommType, CPOptions, KVSchedule, QKVFormat, accum_dtype, check_scale
 from ..plan import shard, spec_layout
-from ..ring import (BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, forward_plan, run_backward,
+from ..ring import (BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, joined_plan, run_backward,
                     run_forward)
 from ..schedule import comm_schedule, resolved_kv_schedule, row_bytes
 from ..sink import sink_logits
@@ -342,8 +342,7 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
     vs = [fmt.to_bhsd(shard(x.v, cp, r, sd, cu, pl)) for r in range(cp)]
     positions = [layout.rows(r, device) for r in range(cp)]
     for rank in range(cp):
-        plan = schedule.plans[rank]
-        forward = forward_plan(schedule, rank, x.k, fmt, x.bias is not None)   # its runs of steps joined
+        plan = joined_plan(schedule, rank, x.k, fmt, x.bias is not None)   # its runs of steps joined
         q = shard(x.q, cp, rank, sd, cu, pl)
         do = fmt.to_bhsd(shard(x.grad_out, cp, rank, sd, cu, pl))
         bias = BiasTiles(x.bias, plan, positions[rank], positions, acc) if x.bias is not None else None
@@ -354,11 +353,11 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
                        torch.zeros(vs[0].shape, dtype=acc, device=device), schedule, reader=rank,
                        kv_dtype=dtype)
         rows: list = []
-        fwd_state = ForwardState.make(forward, fmt.to_bhsd(q), fmt.to_bhsd(out), lse)
+        fwd_state = ForwardState.make(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), lse)
         bwd_state = BackwardState(fmt.to_bhsd(q), fmt.to_bhsd(out), do, lse, fmt.to_bhsd(dq))
 
         def fwd(_inject):
-            run_forward(forward, LocalKV(ks, vs, schedule, rank, "fwd"), state=fwd_state, sink=sink, bias=bias,
+            run_forward(plan, LocalKV(ks, vs, schedule, rank, "fwd"), state=fwd_state, sink=sink, bias=bias,
                         opts=copts)
 
         def bwd(_out):
@@ -370,5 +369,6 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
                             lambda index, rs: [dict(r, rank=rank, iteration=index) for r in rs], rows.extend)
         if opts.link is not None:
             rows = predict(rows, schedule.transfers(rank, *row_bytes(case.shape.b, case.shape.g, case.shape.d, dtype)),
-                           opts.link, blocking_kv=schedule.kind is KVSchedule.ALLGATHER, posted_at=forward.posted_at)
+                           opts.link, blocking_kv=schedule.kind is KVSchedule.ALLGATHER,
+                           posted_at=plan.posted_at, computed_at=plan.computed_at)
         yield rows

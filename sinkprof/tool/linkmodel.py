@@ -120,12 +120,14 @@ def exchange_times(transfers: Iterable[Transfer], link: Link) -> dict:
     return {key: (link.exchange_ms(ts), sum(t.sent for t in ts)) for key, ts in groups.items()}
 
 
-def _posted_together(times: dict, posted_at: dict) -> dict:
-    """``exchange_times`` with the forward's K/V messages summed per step they are posted at (the
-    message for step j is labelled j - 1)."""
+def _posted_together(times: dict, posted_at: dict, computed_at: dict) -> dict:
+    """``exchange_times`` with the messages summed per step they are posted at: K/V (the message
+    for step j is labelled j - 1) at ``posted_at``, the backward's dK/dV (labelled j) once the
+    call that computes step j is done (``computed_at``)."""
     out: dict = {}
     for (phase, label, kind), (ms, nbytes) in times.items():
-        key = (phase, posted_at.get(label + 1, label) if (phase, kind) == ("fwd", "kv") else label, kind)
+        at = posted_at.get(label + 1, label) if kind == "kv" else computed_at.get(label, label)
+        key = (phase, at, kind)
         before = out.get(key, (0.0, 0))
         out[key] = (before[0] + ms, before[1] + nbytes)
     return out
@@ -173,18 +175,19 @@ def _phase(phase: str, compute: dict, comm: dict, delay: float, blocking_kv: boo
 
 
 def predict(rows: list[dict], transfers: Iterable[Transfer], link: Link, blocking_kv: bool = False,
-            posted_at: Optional[dict] = None) -> list[dict]:
+            posted_at: Optional[dict] = None, computed_at: Optional[dict] = None) -> list[dict]:
     """One simulated rank's measured rows (compute and iteration rows of every iteration) -> the
     prediction: compute rows with their measured durations on the predicted timeline, one
     communication row per exchange (``predicted`` true, ``bytes`` sent, ``dur_ms`` the
     predicted time, ``overlap_ms``/``exposed_ms``), iteration rows lengthened by the exposed
     time (``predicted`` true). ``blocking_kv``: the schedule waits for a step's K/V before it
-    computes (allgather). ``posted_at``: the forward step each step's K/V messages are posted
-    at (``RankPlan.posted_at``; a forward that joins runs of steps posts a whole run's at once,
-    which then share the link and are one row, labelled with that step)."""
+    computes (allgather). ``posted_at``: the step each step's K/V messages are posted at
+    (``RankPlan.posted_at``), ``computed_at`` the step whose call computes it (``RankPlan.computed_at``,
+    whose end sends its dK/dV): a ring that joins runs of steps posts a whole run's at once, which
+    then share the link and are one row, labelled with that step."""
     times = exchange_times(transfers, link)
-    if posted_at:
-        times = _posted_together(times, posted_at)
+    if posted_at or computed_at:
+        times = _posted_together(times, posted_at or {}, computed_at or {})
     out = []
     for it in sorted({r["iteration"] for r in rows}):
         mine = [r for r in rows if r["iteration"] == it]

@@ -208,14 +208,15 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
     if kind is KVSchedule.DIRECT:
         kv_row = sh.b * 2 * max(1, sh.g // members) * sh.d * elem
         shard_rows = sh.s // ring
-        # the forward's two K/V buffers hold a joined run of steps (ring.DirectKV: one sequence, rows
-        # outermost, no bias): up to RUN_ROWS rows each where a step's are fewer
+        # the two K/V buffers hold a joined run of steps (ring.DirectKV: one sequence, rows outermost,
+        # no bias): up to RUN_ROWS rows each where a step's are fewer; in the backward also the two
+        # dK/dV parts, in the accumulator dtype (ring.DirectDKV)
         fits = not case.bias and len(case.docs) <= 1 and (sh.b == 1 or case.spec().qkv_format is not QKVFormat.BSHD)
         runs = 2 * max(0, min(RUN_ROWS, (ring - 1) * shard_rows) - shard_rows) * kv_row if fits else 0
         # the dK/dV parts that return in K/V's dtype, kept until the backward ends (ring.DirectDKV, half
-        # precision): at most a shard from every other rank; the run buffers are gone by then
+        # precision): at most a shard from every other rank
         kept = (ring - 1) * shard_rows * kv_row if elem < acc else 0
-        device += max(runs, kept)
+        device += runs + runs * acc // elem + kept
     if gather:   # at most the sequence's K/V three times (the rows read; the rows staged to send, and arrived),
         # and its dK/dV three times (the rows read; their parts going back, and arrived)
         kv_all = sh.b * sh.s * 2 * max(1, sh.g // members) * sh.d
