@@ -167,6 +167,11 @@ class RankPlan:
         (``Step.joins``), or itself. A backward sends its dK/dV from there."""
         return {j: at for j, (at, _) in self.landing.items()}
 
+    def computes(self, i: int) -> bool:
+        """Whether step ``i``'s call is its own (step 0, a step not joined, a run's last step), not
+        its run's last step's."""
+        return self.computed_at.get(i, i) == i
+
     @functools.cached_property
     def posted_at(self) -> dict[int, int]:
         """Under ``direct``, the step at whose start each later step's K/V messages are posted: the
@@ -174,7 +179,7 @@ class RankPlan:
         computes; every step's predecessor where every step computes."""
         out, last = {}, 0
         for step in self.steps[1:]:
-            if self.landing[step.index][0] == step.index:
+            if self.computes(step.index):
                 for j in (*step.joins, step.index):
                     out[j] = last
                 last = step.index
@@ -184,7 +189,7 @@ class RankPlan:
     def buffer_rows(self) -> int:
         """The most K/V rows one step's buffer holds after step 0 (a run's: every step of it)."""
         return max((sum(self.steps[j].held_rows for j in (*s.joins, s.index)) for s in self.steps[1:]
-                    if s.index in self.landing and self.landing[s.index][0] == s.index), default=0)
+                    if self.computes(s.index)), default=0)
 
 
 def rows_in(parts) -> int:

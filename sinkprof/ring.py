@@ -547,7 +547,7 @@ class DirectKV:
         self.own = pieces
         self.sd = fmt.seq_dim
         self.bufs = [[_flat(p, self.sd, plan.buffer_rows) for p in pieces] for _ in range(2)]
-        computing = [s.index for s in plan.steps[1:] if plan.landing[s.index][0] == s.index]
+        computing = [s.index for s in plan.steps[1:] if plan.computes(s.index)]
         self.parity = {i: n % 2 for n, i in enumerate(computing, start=1)}   # a computing step's buffer
         # at each step, the messages posted then: (step, send, receive), steps in order
         self.posts = {i: [(j, plans[(me + j) % cp].posted_at[j] == i, plan.posted_at[j] == i) for j in range(1, cp)
@@ -558,7 +558,7 @@ class DirectKV:
 
     def get(self, step: Step):
         i = step.index
-        member = i and self.plan.landing[i][0] != i   # its rows are read in its run's last step
+        member = not self.plan.computes(i)   # its rows are read in its run's last step
         if not member:
             for pending in self.pending:
                 pending.wait()
@@ -639,7 +639,7 @@ class DirectDKV:
     in posts each step's rows to that step's owner: dK and dV, two tensors a message, each rows
     outermost (``runs_fit``) so that a step's rows are contiguous in either. This rank receives the
     part of its reader ``rank + j`` for step j at the same point of the schedule, its own step of
-    the index at which the reader computes step j (``RankPlan.landing``). What was posted is waited
+    the index at which the reader computes step j (``RankPlan.computed_at``). What was posted is waited
     for at the next step that computes, after its tiles: a part is in flight while the next run
     computes.
 
@@ -666,7 +666,7 @@ class DirectDKV:
         narrow = kv_dtype.itemsize < like.element_size()
         self.acc = torch.empty(like.shape, device=device,
                                dtype=kv_dtype if narrow and schedule.home_in_kv_dtype(me) else dtype)
-        computing = [s.index for s in plan.steps[1:] if plan.landing[s.index][0] == s.index]
+        computing = [s.index for s in plan.steps[1:] if plan.computes(s.index)]
         self.parity = {i: n % 2 for n, i in enumerate(computing)}   # a computing step's part buffer
         rows = max(plan.buffer_rows, schedule.largest())
         self.parts = [_flat(like, self.sd, rows, device=device) for _ in range(2)]
@@ -683,20 +683,20 @@ class DirectDKV:
         for j in range(1, cp):
             reader = (me + j) % cp
             if self.schedule.kv_rows(reader, j):
-                self.arrivals[plans[reader].landing[j][0]].append(j)
+                self.arrivals[plans[reader].computed_at[j]].append(j)
         self.batch = {i: sum(1 for c in computing if c <= i) for i in range(cp)}
         batch_rows = collections.Counter()
         for i, js in self.arrivals.items():
             batch_rows[self.batch[i]] += sum(rows_in(schedule.kv_rows((me + j) % cp, j)) for j in js if j not in self.kept)
         self.incoming = [_flat(like, self.sd, max(batch_rows.values(), default=0), device=device) for _ in range(2)]
-        self.incoming_at = 0   # rows of the current batch's buffer taken
+        self.incoming_at = 0   # elements of the current batch's buffer taken
         self.like = like
         self.pending = []
         self.arrived = []   # (message, rows of this rank's shard it carries): added once it is in
 
     def start(self, step: Step):
         i = step.index
-        if i and self.plan.landing[i][0] != i:   # computed in its run's last step
+        if not self.plan.computes(i):   # computed in its run's last step
             return None, None, True
         part = self.acc if i == 0 else self._part(self.parts[self.parity[i]], self.comm.rank, i,
                                                   step.joined_rows + step.held_rows)
@@ -720,7 +720,7 @@ class DirectDKV:
         computes step j at this same index (both ends post a message at one point of the schedule,
         in step order, so every rank's posts meet their peers' in one order)."""
         i, me, cp = step.index, self.comm.rank, self.comm.size
-        computes = i == 0 or self.plan.landing[i][0] == i
+        computes = self.plan.computes(i)
         if computes:
             self._land()
         run = (*step.joins, i) if i and computes else ()
