@@ -15,8 +15,10 @@ Rings: per configuration (heads, K/V heads, head dim; s per rank fixed, so s = c
 cp in the list and each mask, every backend runs the schedule of ranks 0, cp/2 and cp-1 (K/V of
 the other ranks from memory, no communication) for vanilla, learnable ``step0`` and learnable
 ``post-merge``; the slowest is reported, and its rate against FA4's monolithic rate on the whole
-sequence (vanilla against vanilla, learnable against FA4 with the sink) is the ring efficiency.
-Beside each fa4 vanilla row, "its calls standalone": the efficiency that rank would have if its FA4
+sequence (vanilla against vanilla, learnable against FA4 with the sink) is the ring efficiency:
+the monolithic calls are replayed in the same interleaved run as the rank's variants, so the
+ratio holds no drift between runs ("timed apart": against the monolithic calls' own run, as
+sessions before the fourteenth measured it). Beside each fa4 vanilla row, "its calls standalone": the efficiency that rank would have if its FA4
 calls, each timed standalone at its shape in the same run as the monolithic call, were all it did
 (what the tile shapes of its steps cost: its runs of steps joined as the ring runs them,
 ``plan.join_runs``; not an upper bound on the backward, where each standalone call pays FA4's pre-
@@ -387,13 +389,16 @@ def _timed(fns: dict, calls: int = 2, rounds: int = 15) -> tuple[dict, str]:
 
 
 def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sink, mask: str, d: int,
-                 profile: Optional[str] = None, cu_seqlens=None) -> list:
+                 profile: Optional[str] = None, cu_seqlens=None, mono: Optional[dict] = None) -> list:
     """Per name (a backend; ``fa4-per-tile``: FA4 with its backward tile by tile; a backend and
     ``+comm``: the ring's own code over a ``Loopback`` communicator) and variant of ``RUNS``: the
     slowest (forward + backward) of ``ranks``, each running its whole schedule, the variants
     interleaved. ``shards(rank)``: that rank's (q, dO) as ``[b, h, 2c, d]`` views; ``ks``,
     ``vs``: every rank's K/V the same way. ``profile``: print the kernels of each rank's learnable
-    step0 ring under this title. ``cu_seqlens``: a pack's boundaries."""
+    step0 ring under this title. ``cu_seqlens``: a pack's boundaries. ``mono``: the monolithic
+    calls (name -> function), interleaved with each rank's variants, so that a row's ratio to
+    them comes from one run (``with_rates``: the row's ``mono_ms``); the machine drifts by up to
+    10% between runs."""
     cp = schedule.cp
     rows = []
     for name in names:
@@ -418,7 +423,7 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
                 fns[variant + " fwd"], fns[variant + " bwd"] = ring.fwd, ring.bwd
                 if profile and (softmax, strategy) == RUNS[1]:
                     _profile_step(f"{name} {profile} rank {rank} {variant}", ring.fwd, ring.bwd)
-            timed, timing = _timed(fns)
+            timed, timing = _timed(fns | {f"mono {n}": fn for n, fn in (mono or {}).items()})
             for softmax, strategy in RUNS:
                 variant = f"{softmax} {strategy.value}"
                 row = dict(backend=name, kv_schedule=schedule.kind.value, layout=schedule.layout.kind.value, cp=cp,
@@ -426,6 +431,8 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
                            rank=rank, flops=flops,
                            fwd_ms=timed[variant + " fwd"]["ms"], bwd_ms=timed[variant + " bwd"]["ms"],
                            host_us_per_step_eager=host[variant], timing=timing)
+                if mono:
+                    row["mono_ms"] = {n: timed[f"mono {n}"] for n in mono}
                 every[variant][rank] = [row["fwd_ms"], row["bwd_ms"]]
                 best = slowest.get(variant)
                 if best is None or row["fwd_ms"] + row["bwd_ms"] > best["fwd_ms"] + best["bwd_ms"]:
@@ -436,16 +443,21 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
 
 def with_rates(rows: list, total: int, mono_ms: dict, mono: str = "fa4") -> list:
     """Each row's TFLOP/s, and against the monolithic rate of ``total`` FLOPs (``mono_ms``: keys
-    ``f"{mono} {vanilla|learnable} {fwd|bwd}"``; vanilla against vanilla, learnable against the sink)."""
+    ``f"{mono} {vanilla|learnable} {fwd|bwd}"``; vanilla against vanilla, learnable against the sink),
+    timed in the row's own run where it has them (its ``mono_ms``: ``slowest_rank``'s ``mono``)."""
     for row in rows:
         row["fwd_tflops"] = row["flops"] / row["fwd_ms"] / 1e9
         row["bwd_tflops"] = BWD_FLOPS * row["flops"] / row["bwd_ms"] / 1e9
         tag = row["variant"].split()[0]
-        if mono_ms:
-            mono_fwd = total / mono_ms[f"{mono} {tag} fwd"]["ms"] / 1e9
-            mono_bwd = BWD_FLOPS * total / mono_ms[f"{mono} {tag} bwd"]["ms"] / 1e9
-            row |= dict(fa4_mono_fwd_tflops=mono_fwd, fa4_mono_bwd_tflops=mono_bwd,
-                        fwd_vs_fa4_mono=row["fwd_tflops"] / mono_fwd, bwd_vs_fa4_mono=row["bwd_tflops"] / mono_bwd)
+        for suffix, ref in (("_separate_run", mono_ms if row.get("mono_ms") else None),
+                            ("", row.get("mono_ms") or mono_ms)):
+            if not ref:
+                continue
+            mono_fwd = total / ref[f"{mono} {tag} fwd"]["ms"] / 1e9
+            mono_bwd = BWD_FLOPS * total / ref[f"{mono} {tag} bwd"]["ms"] / 1e9
+            row |= {f"fa4_mono_fwd_tflops{suffix}": mono_fwd, f"fa4_mono_bwd_tflops{suffix}": mono_bwd,
+                    f"fwd_vs_fa4_mono{suffix}": row["fwd_tflops"] / mono_fwd,
+                    f"bwd_vs_fa4_mono{suffix}": row["bwd_tflops"] / mono_bwd}
     return rows
 
 
@@ -466,6 +478,8 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
     if "fa4" in backends():
         for tag, a in (("vanilla", None), ("learnable", sink)):
             mono[f"fa4 {tag} fwd"], mono[f"fa4 {tag} bwd"] = fa4_direct(q, k, v, band, a, d ** -0.5)
+    whole = dict(mono)   # timed again beside each rank's ring, in its run
+    if mono:
         # every timed rank's calls at their shapes, FA4 standalone, in the same interleaved run (with
         # its runs of steps joined, as the ring runs them; the backward's also step by step: what
         # joining its runs gives)
@@ -488,7 +502,7 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
     rows = []
     for kind, schedule in schedules.items():
         rows += slowest_rank(names, schedule, ranks, shards, ks, vs, sink, mask, d,
-                             profile=f"cp={cp} {mask} {kind.value}" if profile else None)
+                             profile=f"cp={cp} {mask} {kind.value}" if profile else None, mono=whole)
     rows = with_rates(rows, total, mono_ms)
     if calls:
         rows = with_standalone_calls(rows, calls, total, mono_ms)
@@ -631,16 +645,42 @@ def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names
             ranks = range(cp) if balanced else sorted({0, cp // 2, cp - 1})
             rows += slowest_rank(names, schedule, ranks, laid.shards, laid.ks, laid.vs, p.sink, PACK_MASK, d,
                                  profile=f"pack cp={cp} {layout.value} {kind.value}" if profile else None,
-                                 cu_seqlens=cu)
+                                 cu_seqlens=cu, mono=mono)
     return {"cp": cp, "shape": dict(t=sum(docs), h=h, g=g, d=d), "docs": list(docs), "mask": PACK_MASK,
             "flops": p.flops, "fa4_varlen_ms": mono_ms, "fa4_varlen_timing": timing, "keys_read": keys_read,
             "rows": with_rates(rows, p.flops, mono_ms, mono="fa4 varlen")}
 
 
 def _profile_step(title: str, fwd, bwd) -> None:
-    """Where one warm ring's time goes: the CUDA kernels of a forward and a backward, by total
-    time, then one by one in the order they started (microseconds from the first; the CUDA
-    stream)."""
+    """Where one warm ring's time goes: a CUDA graph of its forward and one of its backward (as
+    the timings replay them: no host gaps), each replayed once under the profiler; per phase the
+    kernels by total time, then one by one in the order they started (microseconds from the
+    first; the gap since the previous kernel of any stream ended; the CUDA stream), and a summary:
+    the span, the time some kernel ran, and the time none did. Eagerly issued calls instead
+    where a capture fails or the profiler sees no kernel of a graph."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    try:
+        runs, how = {"fwd": capture(fwd, 1).replay, "bwd": capture(bwd, 1).replay}, "graphed"
+    except RuntimeError as exc:
+        print(f"warning: CUDA graph capture failed ({str(exc)[:200]}); profiling eager calls")
+        torch.cuda.synchronize()
+        runs, how = {"fwd": fwd, "bwd": bwd}, "eager"
+    for phase, run in runs.items():
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+        if not kernels and how == "graphed":
+            print(f"warning: the profiler saw no kernel of the {phase} graph; profiling eager calls")
+            return _profile_eager(title, fwd, bwd)
+        print(f"\n## kernels of one warm ring, {title}, {phase} ({how})")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
+        print(timeline(kernels))
+
+
+def _profile_eager(title: str, fwd, bwd) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
@@ -648,14 +688,30 @@ def _profile_step(title: str, fwd, bwd) -> None:
         fwd()
         bwd()
         torch.cuda.synchronize()
-    print(f"\n## kernels of one warm ring, {title}")
+    print(f"\n## kernels of one warm ring, {title} (eager)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
-    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    if kernels:
-        t0 = kernels[0].time_range.start
-        print("start us   took us  stream  kernel")
-        for e in kernels:
-            print(f"{e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():9.1f}  {e.device_resource_id:6d}  {e.name[:90]}")
+    print(timeline(sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                          key=lambda e: e.time_range.start)))
+
+
+def timeline(kernels) -> str:
+    """Profiler events (``.time_range.start``/``.end`` in us, ``.name``, ``.device_resource_id``)
+    one by one in start order, with the gap since the previous one of any stream ended, then the
+    span, the time some kernel ran (their union) and the time none did."""
+    if not kernels:
+        return "(no kernels)"
+    t0 = kernels[0].time_range.start
+    lines, end, busy = ["start us   took us    gap us  stream  kernel"], t0, 0.0
+    for e in kernels:
+        start, stop = e.time_range.start, e.time_range.end
+        gap = max(0.0, start - end)
+        busy += max(0.0, stop - max(start, end))
+        lines.append(f"{start - t0:9.1f} {stop - start:9.1f} {gap:9.1f}  {e.device_resource_id:6d}  {e.name[:90]}")
+        end = max(end, stop)
+    span = end - t0
+    lines.append(f"span {span:.1f} us: kernels running {busy:.1f} us, none running {span - busy:.1f} us "
+                 f"({(span - busy) / span:.1%})")
+    return "\n".join(lines)
 
 
 CONFIGS = {"h16-d128": (16, 16, 128), "h32-d128": (32, 32, 128), "gpt-oss": (64, 8, 64)}
@@ -674,6 +730,9 @@ def _print_rows(rows: list, against: str) -> None:
     for row in rows:
         eff = (f" | vs {against} fwd {row['fwd_vs_fa4_mono']:.3f} bwd {row['bwd_vs_fa4_mono']:.3f}"
                if "fwd_vs_fa4_mono" in row else "")
+        if "fwd_vs_fa4_mono_separate_run" in row:
+            eff += (f" (timed apart: {row['fwd_vs_fa4_mono_separate_run']:.3f}"
+                    f" / {row['bwd_vs_fa4_mono_separate_run']:.3f})")
         if "fwd_vs_fa4_mono_calls_standalone" in row:
             eff += (f" (its calls standalone: {row['fwd_vs_fa4_mono_calls_standalone']:.3f}"
                     f" / {row['bwd_vs_fa4_mono_calls_standalone']:.3f}; the backward's step by step:"

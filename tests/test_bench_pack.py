@@ -147,6 +147,50 @@ def test_the_slowest_rank_rows_and_their_rates_on_the_cpu(bk, monkeypatch):
     for r in rows:
         assert r["fwd_vs_fa4_mono"] == pytest.approx(r["fwd_tflops"] / (p.flops / 1e9))
         assert r["bwd_vs_fa4_mono"] == pytest.approx(r["bwd_tflops"] / (2.5 * p.flops / 1e9))
+        assert "mono_ms" not in r and "fwd_vs_fa4_mono_separate_run" not in r
+
+
+def test_a_rows_ratio_comes_from_the_monolithic_calls_timed_in_its_own_run(bk, monkeypatch):
+    """The monolithic calls given to ``slowest_rank`` run in every rank's interleaved run, and
+    each row's ratio is against their times in the reported rank's run; the ratio against the
+    monolithic calls' own run stays beside it ("timed apart")."""
+    runs = []
+
+    def fake_ms(fns, calls=2, rounds=15, graphed=True):
+        runs.append(sorted(fns))
+        scale = len(runs)   # each run its own clock: the monolithic calls read differently in each
+        return {name: {"ms": (2.0 if name.startswith("mono") else 1.0) * scale, "spread_ms": 0.0} for name in fns}
+    monkeypatch.setattr(bk, "interleaved_ms", fake_ms)
+    monkeypatch.setattr(bk, "host_us", lambda fn, calls=20: 1.0)
+    docs = bk.pack_lengths(96, 8, 32, 8, seed=1)
+    p = bk.pack_setup(4, 4, 2, 8, docs, "cpu", dtype=torch.float32)
+    mono = {f"fa4 varlen {tag} {phase}": (lambda: None) for tag in ("vanilla", "learnable") for phase in ("fwd", "bwd")}
+    rows = bk.slowest_rank(["torch"], p.schedule, [0, 3], p.shards, p.ks, p.vs, p.sink, "causal", 8, mono=mono)
+    assert len(runs) == 2 and all({f"mono {n}" for n in mono} <= set(run) for run in runs)
+    for r in rows:   # every rank's run reads 1 x its scale for the ring, 2 x for the monolithic calls
+        scale = r["fwd_ms"]
+        assert r["mono_ms"] == {n: {"ms": 2.0 * scale, "spread_ms": 0.0} for n in mono}
+    apart = {n: {"ms": 10.0} for n in mono}
+    bk.with_rates(rows, p.flops, apart, mono="fa4 varlen")
+    for r in rows:   # the ring's FLOPs are a quarter of the pack's: (1/4) / (1 / 2) in its own run
+        assert r["fwd_vs_fa4_mono"] == pytest.approx(0.5)
+        assert r["bwd_vs_fa4_mono"] == pytest.approx(0.5)
+        assert r["fwd_vs_fa4_mono_separate_run"] == pytest.approx(r["flops"] / r["fwd_ms"] / (p.flops / 10.0))
+
+
+def test_the_timeline_counts_the_time_no_kernel_ran(bk):
+    """Kernels of two streams, overlapping and with gaps: each one's gap since any ended, the
+    union of their times and the idle rest of the span."""
+    def event(start, end, stream, name):
+        return types.SimpleNamespace(time_range=types.SimpleNamespace(start=start, end=end),
+                                     device_resource_id=stream, name=name)
+    text = bk.timeline([event(100, 200, 7, "a"), event(150, 260, 61, "copy"), event(300, 400, 7, "b"),
+                        event(390, 395, 61, "c")])
+    lines = text.splitlines()
+    assert [line.split()[:3] for line in lines[1:5]] == [["0.0", "100.0", "0.0"], ["50.0", "110.0", "0.0"],
+                                                         ["200.0", "100.0", "40.0"], ["290.0", "5.0", "0.0"]]
+    assert lines[-1] == "span 300.0 us: kernels running 260.0 us, none running 40.0 us (13.3%)"
+    assert bk.timeline([]) == "(no kernels)"
 
 
 def test_the_fa4_varlen_call_passes_what_fa4s_interface_asserts(bk, monkeypatch):
