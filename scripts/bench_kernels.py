@@ -67,6 +67,7 @@ from sinkprof import fused  # noqa: E402
 from sinkprof.dist import by_peer  # noqa: E402
 from sinkprof.kernels import get_kernel, unavailable_reason  # noqa: E402
 from sinkprof.options import Band, CPOptions, KVSchedule, PackLayout, SinkStrategy, make_spec  # noqa: E402
+from sinkprof import plan as plan_module  # noqa: E402
 from sinkprof.plan import shard, spec_layout  # noqa: E402
 from sinkprof.ring import (BackwardState, ForwardState, LocalDKV, LocalKV, P2PAttention, joined_plan,  # noqa: E402
                            run_backward, run_forward)
@@ -778,6 +779,8 @@ def parse_args(argv=None):
     ap.add_argument("--pack-seed", type=int, default=0)
     ap.add_argument("--pack-layouts", default="zigzag", help="layouts of the pack benchmarks: zigzag, balanced "
                     "(comma list; balanced runs under the allgather K/V schedule alone)")
+    ap.add_argument("--run-rows", type=int, default=None, help="K/V rows of a joined run at most (an experiment "
+                    f"on the ring's calls; default: sinkprof's, {plan_module.RUN_ROWS})")
     ap.add_argument("--skip-tiles", action="store_true")
     ap.add_argument("--profile-step", action="store_true", help="print the kernels of one warm ring per config "
                     "and timed rank (learnable step0), by total time and one by one")
@@ -789,6 +792,8 @@ def parse_args(argv=None):
         if KVSchedule.AUTO in args.kinds:
             raise ValueError("--kv-schedules: name ring, direct or allgather (auto is one of the first two)")
         args.layouts = [PackLayout.parse(x, "--pack-layouts") for x in args.pack_layouts.split(",")]
+        if args.run_rows is not None and args.run_rows < 1:
+            raise ValueError(f"--run-rows {args.run_rows}: give a positive number of rows")
     except ValueError as exc:
         ap.error(str(exc))
     return args
@@ -796,6 +801,8 @@ def parse_args(argv=None):
 
 def main() -> None:
     args = parse_args()
+    if args.run_rows is not None:   # every schedule made from here on joins its runs up to this many rows
+        plan_module.join_runs.__defaults__ = (args.run_rows,)
     sys.argv = sys.argv[:1]   # the CuTe DSL parses the command line at every FA4 compile (sinkprof.kernels.fa4)
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "backends": backends(),
               "fused sink kernels": fused.disabled_reason() or "on", "args": vars(args), "tiles": [], "rings": [],

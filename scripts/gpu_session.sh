@@ -8,7 +8,7 @@
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
-# verify14 ab14 verify15
+# verify14 ab14 verify15 rows15
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -390,6 +390,13 @@ if [[ $what == *" verify15 "* ]]; then   # <= 480 s: RankPlan.computes (8fcd160)
       -k "direct_backward_on_fa4 or (cuda_graph and fa4)"
   run ring_prof15 ${PROF_S:-320} python3 scripts/bench_kernels.py --skip-tiles --rings "${RINGS:-h16-d128:2,4,8;gpt-oss:8}" \
       --ring-backends fa4+comm --profile-step --out "$OUT/ring_prof15.json"
+fi
+if [[ $what == *" rows15 "* ]]; then   # <= 400 s: joined runs of up to 64k K/V rows against the 16k cap, each run
+  # against FA4 monolithic timed beside it (ROWS_RINGS: which)
+  for rows in 16384 65536; do
+    run ring_rows15_$rows ${ROWS_S:-200} python3 scripts/bench_kernels.py --skip-tiles --rings "${ROWS_RINGS:-h16-d128:8;gpt-oss:8}" \
+        --ring-backends fa4+comm --run-rows $rows --out "$OUT/ring_rows15_$rows.json"
+  done
 fi
 if [[ $what == *" prof12 "* ]]; then   # <= 420 s: where the forward's time goes at cp 2 and 4 (the ring's own code
   # against its calls standalone: 0.91-0.92 against 0.97-0.98 in rings12), then issue 15's pack honestly fed
