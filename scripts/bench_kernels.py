@@ -72,7 +72,10 @@ from sinkprof.plan import shard, spec_layout  # noqa: E402
 from sinkprof.ring import (BackwardState, ForwardState, LocalDKV, LocalKV, P2PAttention, joined_plan,  # noqa: E402
                            run_backward, run_forward)
 from sinkprof.schedule import CommSchedule  # noqa: E402
+from sinkprof.kernels import fa4 as fa4_module  # noqa: E402
 from sinkprof.sink import merge_parts_, sink_grad  # noqa: E402
+
+FA4_WINDOW = fa4_module.fa4_window   # FA4's own reading of a band (``--fa4-full-window`` replaces the ring's)
 
 BWD_FLOPS = 2.5     # a backward counted as 2.5 forwards
 
@@ -149,16 +152,25 @@ def backends() -> list:
 
 
 def fa4_direct(q, k, v, band: Band, sink, scale):
-    """FA4 through its own interface on bshd tensors: (forward, backward) closures."""
+    """FA4 through its own interface on bshd tensors: (forward, backward) closures (a full band
+    as FA4 takes it by default, whatever ``--fa4-full-window`` does to the ring's calls)."""
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
-    from sinkprof.kernels.fa4 import fa4_window
-    causal, left, right = fa4_window(band, q.shape[1], k.shape[1])
+    causal, left, right = FA4_WINDOW(band, q.shape[1], k.shape[1])
     kw = dict(softmax_scale=scale, causal=causal, window_size_left=left, window_size_right=right,
               learnable_sink=None if sink is None else sink.reshape(-1))
     o, lse = _flash_attn_fwd(q, k, v, return_lse=True, **kw)[:2]
     do = torch.randn_like(o)
     return (lambda: _flash_attn_fwd(q, k, v, return_lse=True, **kw),
             lambda: _flash_attn_bwd(q, k, v, o, do, lse, **kw))
+
+
+def _full_as_window(band: Band, n_q: int, n_kv: int) -> tuple:
+    """``fa4_window``, but a full band as a window covering the whole tile (``--fa4-full-window``):
+    FA4 then runs its non-persistent scheduler, whose blocks retire through the call, rather than
+    one persistent block per SM until the end."""
+    if band == Band():
+        return False, n_kv, n_q
+    return FA4_WINDOW(band, n_q, n_kv)
 
 
 def tile_bench(b, h, g, s, d, band: Band, label: str) -> dict:
@@ -250,14 +262,16 @@ def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, 
 
 
 class _Arrived:
-    """A loopback message: done once the compute stream waits for the copy stream (on the CPU, at once)."""
+    """A loopback message: done once the compute stream waits for the end of its copies (an event
+    recorded when they were posted, as NCCL's work ends with its own op: a message posted later
+    on the copy stream is not waited for); on the CPU, at once."""
 
-    def __init__(self, stream: Optional[torch.cuda.Stream]):
-        self.stream = stream
+    def __init__(self, event: Optional[torch.cuda.Event]):
+        self.event = event
 
     def wait(self) -> None:
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
 
 class Loopback:
@@ -272,9 +286,12 @@ class Loopback:
     normal values, which made the ranks whose messages all came from zeros look faster than
     they are."""
 
+    PRIORITY = 0   # the copy stream's CUDA priority (lower is higher; ``--loopback-priority``)
+
     def __init__(self, rank: int, size: int, device):
         self.rank, self.size = rank, size
-        self.stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
+        self.stream = (torch.cuda.Stream(device, priority=self.PRIORITY) if torch.device(device).type == "cuda"
+                       else None)
         self.sources: dict = {}
         self.gen = torch.Generator(device=device).manual_seed(1000 + rank)
         self.received: dict = collections.Counter()   # (phase, kind) -> messages received
@@ -299,7 +316,11 @@ class Loopback:
                         self.sources[key] = torch.randn(t.shape, generator=self.gen, device=t.device).to(t.dtype)
                     src = self.sources[key]
                 t.copy_(src)
-        return _Arrived(self.stream)
+            end = None
+            if self.stream is not None:
+                end = torch.cuda.Event()
+                end.record(self.stream)
+        return _Arrived(end)
 
 
 class _Ctx:
@@ -781,6 +802,12 @@ def parse_args(argv=None):
                     "(comma list; balanced runs under the allgather K/V schedule alone)")
     ap.add_argument("--run-rows", type=int, default=None, help="K/V rows of a joined run at most (an experiment "
                     f"on the ring's calls; default: sinkprof's, {plan_module.RUN_ROWS})")
+    ap.add_argument("--loopback-priority", choices=("normal", "high"), default="normal",
+                    help="CUDA priority of the loopback's copy stream (high: its copies are dispatched before "
+                         "the compute kernels' waiting blocks, as NCCL's on a high-priority stream)")
+    ap.add_argument("--fa4-full-window", action="store_true",
+                    help="the ring's full FA4 tiles as a window covering the tile (FA4's non-persistent "
+                         "scheduler: its blocks retire through the call, so the copies get SMs; an experiment)")
     ap.add_argument("--skip-tiles", action="store_true")
     ap.add_argument("--profile-step", action="store_true", help="print the kernels of one warm ring per config "
                     "and timed rank (learnable step0), by total time and one by one")
@@ -801,6 +828,10 @@ def parse_args(argv=None):
 
 def main() -> None:
     args = parse_args()
+    if args.fa4_full_window:   # before any FA4 kernel object is made: each binds the function then
+        fa4_module.fa4_window = _full_as_window
+    if args.loopback_priority == "high":
+        Loopback.PRIORITY = -100   # torch maps it to the highest the device has
     if args.run_rows is not None:   # every schedule made from here on joins its runs up to this many rows
         plan_module.join_runs.__defaults__ = (args.run_rows,)
     sys.argv = sys.argv[:1]   # the CuTe DSL parses the command line at every FA4 compile (sinkprof.kernels.fa4)

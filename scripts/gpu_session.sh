@@ -8,7 +8,7 @@
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
-# verify14 ab14 verify15 rows15
+# verify14 ab14 verify15 rows15 prio15
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -396,6 +396,15 @@ if [[ $what == *" rows15 "* ]]; then   # <= 400 s: joined runs of up to 64k K/V 
   for rows in 16384 65536; do
     run ring_rows15_$rows ${ROWS_S:-200} python3 scripts/bench_kernels.py --skip-tiles --rings "${ROWS_RINGS:-h16-d128:8;gpt-oss:8}" \
         --ring-backends fa4+comm --run-rows $rows --out "$OUT/ring_rows15_$rows.json"
+  done
+fi
+if [[ $what == *" prio15 "* ]]; then   # <= 540 s: the loopback's copies (NCCL's kernels stand-in) against the FA4
+  # calls for SMs: normal priority, high priority, high priority with the full tiles non-persistent
+  # (a covering window); each run against FA4 monolithic timed beside it (PRIO_RINGS, PRIO_S)
+  for v in normal high window; do
+    extra="--loopback-priority high"; [[ $v == normal ]] && extra=""; [[ $v == window ]] && extra="$extra --fa4-full-window"
+    run ring_prio15_$v ${PRIO_S:-175} python3 scripts/bench_kernels.py --skip-tiles --rings "${PRIO_RINGS:-h16-d128:4,8}" \
+        --ring-backends fa4+comm $extra --out "$OUT/ring_prio15_$v.json"
   done
 fi
 if [[ $what == *" prof12 "* ]]; then   # <= 420 s: where the forward's time goes at cp 2 and 4 (the ring's own code
