@@ -719,21 +719,35 @@ def _profile_eager(title: str, fwd, bwd) -> None:
 def timeline(kernels) -> str:
     """Profiler events (``.time_range.start``/``.end`` in us, ``.name``, ``.device_resource_id``)
     one by one in start order, with the gap since the previous one of any stream ended, then the
-    span, the time some kernel ran (their union) and the time none did."""
+    span, the time some kernel ran (their union), the time only copies ran (a message's copy
+    that no kernel overlapped: the compute waited for it) and the time nothing did."""
     if not kernels:
         return "(no kernels)"
     t0 = kernels[0].time_range.start
-    lines, end, busy = ["start us   took us    gap us  stream  kernel"], t0, 0.0
+    lines, end = ["start us   took us    gap us  stream  kernel"], t0
     for e in kernels:
         start, stop = e.time_range.start, e.time_range.end
-        gap = max(0.0, start - end)
-        busy += max(0.0, stop - max(start, end))
-        lines.append(f"{start - t0:9.1f} {stop - start:9.1f} {gap:9.1f}  {e.device_resource_id:6d}  {e.name[:90]}")
+        lines.append(f"{start - t0:9.1f} {stop - start:9.1f} {max(0.0, start - end):9.1f}  "
+                     f"{e.device_resource_id:6d}  {e.name[:90]}")
         end = max(end, stop)
     span = end - t0
-    lines.append(f"span {span:.1f} us: kernels running {busy:.1f} us, none running {span - busy:.1f} us "
-                 f"({(span - busy) / span:.1%})")
+    busy = _union([(e.time_range.start, e.time_range.end) for e in kernels])
+    compute = _union([(e.time_range.start, e.time_range.end) for e in kernels if not e.name.startswith("Memcpy")])
+    lines.append(f"span {span:.1f} us: kernels running {busy:.1f} us, only copies {busy - compute:.1f} us "
+                 f"({(busy - compute) / span:.1%}), none running {span - busy:.1f} us ({(span - busy) / span:.1%})")
     return "\n".join(lines)
+
+
+def _union(intervals: list) -> float:
+    """The length of the union of ``(start, end)`` intervals."""
+    total, cur = 0.0, None
+    for start, stop in sorted(intervals):
+        if cur is None or start > cur[1]:
+            total += 0.0 if cur is None else cur[1] - cur[0]
+            cur = [start, stop]
+        else:
+            cur[1] = max(cur[1], stop)
+    return total + (0.0 if cur is None else cur[1] - cur[0])
 
 
 CONFIGS = {"h16-d128": (16, 16, 128), "h32-d128": (32, 32, 128), "gpt-oss": (64, 8, 64)}

@@ -180,16 +180,17 @@ def test_a_rows_ratio_comes_from_the_monolithic_calls_timed_in_its_own_run(bk, m
 
 def test_the_timeline_counts_the_time_no_kernel_ran(bk):
     """Kernels of two streams, overlapping and with gaps: each one's gap since any ended, the
-    union of their times and the idle rest of the span."""
+    union of their times, the part of it where a copy ran alone, and the idle rest of the span."""
     def event(start, end, stream, name):
         return types.SimpleNamespace(time_range=types.SimpleNamespace(start=start, end=end),
                                      device_resource_id=stream, name=name)
-    text = bk.timeline([event(100, 200, 7, "a"), event(150, 260, 61, "copy"), event(300, 400, 7, "b"),
+    text = bk.timeline([event(100, 200, 7, "a"), event(150, 260, 61, "Memcpy DtoD"), event(300, 400, 7, "b"),
                         event(390, 395, 61, "c")])
     lines = text.splitlines()
     assert [line.split()[:3] for line in lines[1:5]] == [["0.0", "100.0", "0.0"], ["50.0", "110.0", "0.0"],
                                                          ["200.0", "100.0", "40.0"], ["290.0", "5.0", "0.0"]]
-    assert lines[-1] == "span 300.0 us: kernels running 260.0 us, none running 40.0 us (13.3%)"
+    assert lines[-1] == ("span 300.0 us: kernels running 260.0 us, only copies 60.0 us (20.0%), "
+                         "none running 40.0 us (13.3%)")
     assert bk.timeline([]) == "(no kernels)"
 
 
