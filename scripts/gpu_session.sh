@@ -400,11 +400,11 @@ if [[ $what == *" rows15 "* ]]; then   # <= 400 s: joined runs of up to 64k K/V 
 fi
 if [[ $what == *" prio15 "* ]]; then   # <= 540 s: the loopback's copies (NCCL's kernels stand-in) against the FA4
   # calls for SMs: normal priority, high priority, high priority with the full tiles non-persistent
-  # (a covering window); each run against FA4 monolithic timed beside it (PRIO_RINGS, PRIO_S)
+  # (a covering window); each run against FA4 monolithic timed beside it (PRIO_RINGS, PRIO_MASKS, PRIO_S)
   for v in normal high window; do
     extra="--loopback-priority high"; [[ $v == normal ]] && extra=""; [[ $v == window ]] && extra="$extra --fa4-full-window"
     run ring_prio15_$v ${PRIO_S:-175} python3 scripts/bench_kernels.py --skip-tiles --rings "${PRIO_RINGS:-h16-d128:4,8}" \
-        --ring-backends fa4+comm $extra --out "$OUT/ring_prio15_$v.json"
+        --masks "${PRIO_MASKS:-causal,no_mask}" --ring-backends fa4+comm $extra --out "$OUT/ring_prio15_$v.json"
   done
 fi
 if [[ $what == *" prof12 "* ]]; then   # <= 420 s: where the forward's time goes at cp 2 and 4 (the ring's own code
