@@ -326,3 +326,21 @@ def test_a_ranks_calls_are_its_steps_tiles_and_their_standalone_time_its_shape_c
     pack = CommSchedule(KVSchedule.ALLGATHER, 2, tuple(n // 4 for n in docs), Band(None, 0))
     assert any(len(gr) > 1 for st in pack.plans[0].steps for gr in st.groups)
     assert bk.rank_calls(pack.plans[0]) is None
+
+
+def test_the_full_window_experiment_covers_every_pair_and_leaves_other_bands(bk):
+    """``--fa4-full-window``: a full band becomes a window that, read in FA4's bottom-right
+    convention (row i sees keys i + (n_kv - n_q) - left .. i + (n_kv - n_q) + right), covers every
+    key of every row; causal and windowed bands keep FA4's own reading."""
+    from sinkprof.options import Band
+    for n_q, n_kv in [(8, 8), (4, 16), (16, 4)]:
+        causal, left, right = bk._full_as_window(Band(), n_q, n_kv)
+        assert not causal
+        offset = n_kv - n_q
+        assert all(i + offset - left <= 0 and i + offset + right >= n_kv - 1 for i in range(n_q))
+        for band in (Band(None, 0), Band(-3, 0), Band(-2, 2)):
+            assert bk._full_as_window(band, n_q, n_kv) == bk.FA4_WINDOW(band, n_q, n_kv)
+    args = bk.parse_args(["--fa4-full-window", "--loopback-priority", "high", "--run-rows", "65536"])
+    assert args.fa4_full_window and args.loopback_priority == "high" and args.run_rows == 65536
+    with pytest.raises(SystemExit):
+        bk.parse_args(["--run-rows", "0"])
