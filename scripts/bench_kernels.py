@@ -18,8 +18,9 @@ the other ranks from memory, no communication) for vanilla, learnable ``step0`` 
 sequence (vanilla against vanilla, learnable against FA4 with the sink) is the ring efficiency:
 the monolithic calls are replayed in the same interleaved run as the rank's variants, so the
 ratio holds no drift between runs ("timed apart": against the monolithic calls' own run, as
-sessions before the fourteenth measured it). Beside each fa4 vanilla row, "its calls standalone": the efficiency that rank would have if its FA4
-calls, each timed standalone at its shape in the same run as the monolithic call, were all it did
+sessions before the fourteenth measured it). Beside each fa4 vanilla row, "its calls
+standalone": the efficiency that rank would have if its FA4 calls, each timed standalone at its
+shape in the same run as the monolithic call, were all it did
 (what the tile shapes of its steps cost: its runs of steps joined as the ring runs them,
 ``plan.join_runs``; not an upper bound on the backward, where each standalone call pays FA4's pre-
 and post-processing passes that the ring pays once per row), and "the backward's step by step":
@@ -166,11 +167,23 @@ def fa4_direct(q, k, v, band: Band, sink, scale):
 
 def _full_as_window(band: Band, n_q: int, n_kv: int) -> tuple:
     """``fa4_window``, but a full band as a window covering the whole tile (``--fa4-full-window``):
-    FA4 then runs its non-persistent scheduler, whose blocks retire through the call, rather than
-    one persistent block per SM until the end."""
+    FA4's forward then runs its non-persistent scheduler, whose blocks retire through the call,
+    rather than one persistent block per SM until the end."""
     if band == Band():
         return False, n_kv, n_q
     return FA4_WINDOW(band, n_q, n_kv)
+
+
+def _forward_full_as_window(forward: Callable) -> Callable:
+    """``FA4Tiles.forward`` reading full bands as ``_full_as_window`` does, during its call only
+    (the backward is not persistent: it keeps FA4's own reading)."""
+    def wrapped(*args, **kwargs):
+        fa4_module.fa4_window = _full_as_window
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            fa4_module.fa4_window = FA4_WINDOW
+    return wrapped
 
 
 def tile_bench(b, h, g, s, d, band: Band, label: str) -> dict:
@@ -677,8 +690,8 @@ def _profile_step(title: str, fwd, bwd) -> None:
     """Where one warm ring's time goes: a CUDA graph of its forward and one of its backward (as
     the timings replay them: no host gaps), each replayed once under the profiler; per phase the
     kernels by total time, then one by one in the order they started (microseconds from the
-    first; the gap since the previous kernel of any stream ended; the CUDA stream), and a summary:
-    the span, the time some kernel ran, and the time none did. Eagerly issued calls instead
+    first; the gap since the previous kernel of any stream ended; the CUDA stream), and a summary
+    (``timeline``). Eagerly issued calls instead
     where a capture fails or the profiler sees no kernel of a graph."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -820,7 +833,7 @@ def parse_args(argv=None):
                     help="CUDA priority of the loopback's copy stream (high: its copies are dispatched before "
                          "the compute kernels' waiting blocks, as NCCL's on a high-priority stream)")
     ap.add_argument("--fa4-full-window", action="store_true",
-                    help="the ring's full FA4 tiles as a window covering the tile (FA4's non-persistent "
+                    help="the ring's full FA4 forward tiles as a window covering the tile (FA4's non-persistent "
                          "scheduler: its blocks retire through the call, so the copies get SMs; an experiment)")
     ap.add_argument("--skip-tiles", action="store_true")
     ap.add_argument("--profile-step", action="store_true", help="print the kernels of one warm ring per config "
@@ -842,8 +855,8 @@ def parse_args(argv=None):
 
 def main() -> None:
     args = parse_args()
-    if args.fa4_full_window:   # before any FA4 kernel object is made: each binds the function then
-        fa4_module.fa4_window = _full_as_window
+    if args.fa4_full_window:
+        fa4_module.FA4Tiles.forward = _forward_full_as_window(fa4_module.FA4Tiles.forward)
     if args.loopback_priority == "high":
         Loopback.PRIORITY = -100   # torch maps it to the highest the device has
     if args.run_rows is not None:   # every schedule made from here on joins its runs up to this many rows

@@ -344,3 +344,15 @@ def test_the_full_window_experiment_covers_every_pair_and_leaves_other_bands(bk)
     assert args.fa4_full_window and args.loopback_priority == "high" and args.run_rows == 65536
     with pytest.raises(SystemExit):
         bk.parse_args(["--run-rows", "0"])
+
+
+def test_the_full_window_experiment_changes_the_forward_alone(bk):
+    """``_forward_full_as_window``: inside the wrapped forward the fa4 module reads a full band as
+    the covering window; before, after and in the backward it reads FA4's own."""
+    from sinkprof.kernels import fa4 as fa4_module
+    from sinkprof.options import Band
+    seen = []
+    wrapped = bk._forward_full_as_window(lambda n_q, n_kv: seen.append(fa4_module.fa4_window(Band(), n_q, n_kv)))
+    wrapped(4, 16)
+    assert seen == [(False, 16, 4)]
+    assert fa4_module.fa4_window(Band(), 4, 16) == bk.FA4_WINDOW(Band(), 4, 16) == (False, None, None)
