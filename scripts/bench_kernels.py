@@ -75,6 +75,7 @@ from sinkprof.ring import (BackwardState, ForwardState, LocalDKV, LocalKV, P2PAt
 from sinkprof.schedule import CommSchedule  # noqa: E402
 from sinkprof.kernels import fa4 as fa4_module  # noqa: E402
 from sinkprof.sink import merge_parts_, sink_grad  # noqa: E402
+from sinkprof.tool.report import union_ms  # noqa: E402
 
 FA4_WINDOW = fa4_module.fa4_window   # FA4's own reading of a band (``--fa4-full-window`` replaces the ring's)
 
@@ -691,42 +692,31 @@ def _profile_step(title: str, fwd, bwd) -> None:
     the timings replay them: no host gaps), each replayed once under the profiler; per phase the
     kernels by total time, then one by one in the order they started (microseconds from the
     first; the gap since the previous kernel of any stream ended; the CUDA stream), and a summary
-    (``timeline``). Eagerly issued calls instead
-    where a capture fails or the profiler sees no kernel of a graph."""
+    (``timeline``). Eagerly issued calls instead where a capture fails or the profiler sees no
+    kernel of a graph."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+    eager = {"fwd": fwd, "bwd": bwd}
     try:
         runs, how = {"fwd": capture(fwd, 1).replay, "bwd": capture(bwd, 1).replay}, "graphed"
     except RuntimeError as exc:
         print(f"warning: CUDA graph capture failed ({str(exc)[:200]}); profiling eager calls")
-        torch.cuda.synchronize()
-        runs, how = {"fwd": fwd, "bwd": bwd}, "eager"
-    for phase, run in runs.items():
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run()
+        runs, how = eager, "eager"
+    for phase in ("fwd", "bwd"):
+        while True:
             torch.cuda.synchronize()
-        kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-        if not kernels and how == "graphed":
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                runs[phase]()
+                torch.cuda.synchronize()
+            kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                             key=lambda e: e.time_range.start)
+            if kernels or how == "eager":
+                break
             print(f"warning: the profiler saw no kernel of the {phase} graph; profiling eager calls")
-            return _profile_eager(title, fwd, bwd)
+            runs, how = eager, "eager"
         print(f"\n## kernels of one warm ring, {title}, {phase} ({how})")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
         print(timeline(kernels))
-
-
-def _profile_eager(title: str, fwd, bwd) -> None:
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fwd()
-        bwd()
-        torch.cuda.synchronize()
-    print(f"\n## kernels of one warm ring, {title} (eager)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
-    print(timeline(sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
-                          key=lambda e: e.time_range.start)))
 
 
 def timeline(kernels) -> str:
@@ -744,23 +734,11 @@ def timeline(kernels) -> str:
                      f"{e.device_resource_id:6d}  {e.name[:90]}")
         end = max(end, stop)
     span = end - t0
-    busy = _union([(e.time_range.start, e.time_range.end) for e in kernels])
-    compute = _union([(e.time_range.start, e.time_range.end) for e in kernels if not e.name.startswith("Memcpy")])
+    busy = union_ms([(e.time_range.start, e.time_range.end) for e in kernels])
+    compute = union_ms([(e.time_range.start, e.time_range.end) for e in kernels if not e.name.startswith("Memcpy")])
     lines.append(f"span {span:.1f} us: kernels running {busy:.1f} us, only copies {busy - compute:.1f} us "
                  f"({(busy - compute) / span:.1%}), none running {span - busy:.1f} us ({(span - busy) / span:.1%})")
     return "\n".join(lines)
-
-
-def _union(intervals: list) -> float:
-    """The length of the union of ``(start, end)`` intervals."""
-    total, cur = 0.0, None
-    for start, stop in sorted(intervals):
-        if cur is None or start > cur[1]:
-            total += 0.0 if cur is None else cur[1] - cur[0]
-            cur = [start, stop]
-        else:
-            cur[1] = max(cur[1], stop)
-    return total + (0.0 if cur is None else cur[1] - cur[0])
 
 
 CONFIGS = {"h16-d128": (16, 16, 128), "h32-d128": (32, 32, 128), "gpt-oss": (64, 8, 64)}

@@ -348,7 +348,7 @@ def test_the_full_window_experiment_covers_every_pair_and_leaves_other_bands(bk)
 
 def test_the_full_window_experiment_changes_the_forward_alone(bk):
     """``_forward_full_as_window``: inside the wrapped forward the fa4 module reads a full band as
-    the covering window; before, after and in the backward it reads FA4's own."""
+    the covering window; before and after the call it reads FA4's own."""
     from sinkprof.kernels import fa4 as fa4_module
     from sinkprof.options import Band
     seen = []
