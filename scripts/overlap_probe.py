@@ -27,6 +27,14 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192, help="rows of the causal call")
     ap.add_argument("--shapes", default="h16-d128,gpt-oss")
     args = ap.parse_args()
+    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
+    if unknown or args.n < 256 or args.n % 256:
+        ap.error(f"--shapes: {unknown} not in {sorted(SHAPES)}" if unknown else
+                 f"--n {args.n}: give a multiple of 256 (the full call has n/2 rows)")
+    from sinkprof.kernels import unavailable_reason
+    why = unavailable_reason("fa4", "cuda") if torch.cuda.is_available() else "no CUDA device is visible"
+    if why:
+        ap.error(f"needs FlashAttention-4 on a GPU: {why}")
     sys.argv = sys.argv[:1]   # the CuTe DSL parses the command line at every compile (sinkprof.kernels.fa4)
     from flash_attn.cute import interface as fa4
     dev = torch.device("cuda")
