@@ -1,7 +1,7 @@
 """Whether two of a rank's FA4 calls run faster side by side (two streams) than one after the other.
 
-A ring's step-0 call is causal; its tail (the last blocks of the longest rows or keys) leaves SMs
-idle that the next call could fill if it ran on another stream. This times, for each pair of a
+A ring's step-0 call is causal; its tail (the last blocks of the longest rows or keys) may leave
+SMs idle that the next call could fill if it ran on another stream. This times, for each pair of a
 causal ``n x n`` call and a full ``n/2 x 2n`` call (the shapes of a zigzag rank's step 0 and of a
 joined run), each call alone, the two in series and the two on two streams, forward and backward,
 as interleaved CUDA-graph replays.
