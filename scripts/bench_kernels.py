@@ -719,6 +719,12 @@ def _profile_step(title: str, fwd, bwd) -> None:
         print(timeline(kernels))
 
 
+def _is_copy(name: str) -> bool:
+    """A message's copy: ``Memcpy DtoD`` issued eagerly, a ``memcpy128``-style kernel in a CUDA
+    graph (where the driver runs a memcpy node as a kernel)."""
+    return name.lower().startswith("memcpy")
+
+
 def timeline(kernels) -> str:
     """Profiler events (``.time_range.start``/``.end`` in us, ``.name``, ``.device_resource_id``)
     one by one in start order, with the gap since the previous one of any stream ended, then the
@@ -735,7 +741,7 @@ def timeline(kernels) -> str:
         end = max(end, stop)
     span = end - t0
     busy = union_ms([(e.time_range.start, e.time_range.end) for e in kernels])
-    compute = union_ms([(e.time_range.start, e.time_range.end) for e in kernels if not e.name.startswith("Memcpy")])
+    compute = union_ms([(e.time_range.start, e.time_range.end) for e in kernels if not _is_copy(e.name)])
     lines.append(f"span {span:.1f} us: kernels running {busy:.1f} us, only copies {busy - compute:.1f} us "
                  f"({(busy - compute) / span:.1%}), none running {span - busy:.1f} us ({(span - busy) / span:.1%})")
     return "\n".join(lines)

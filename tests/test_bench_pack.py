@@ -180,7 +180,8 @@ def test_a_rows_ratio_comes_from_the_monolithic_calls_timed_in_its_own_run(bk, m
 
 def test_the_timeline_counts_the_time_no_kernel_ran(bk):
     """Kernels of two streams, overlapping and with gaps: each one's gap since any ended, the
-    union of their times, the part of it where a copy ran alone, and the idle rest of the span."""
+    union of their times, the part of it where a copy ran alone (eager or graphed), and the idle
+    rest of the span."""
     def event(start, end, stream, name):
         return types.SimpleNamespace(time_range=types.SimpleNamespace(start=start, end=end),
                                      device_resource_id=stream, name=name)
@@ -192,6 +193,8 @@ def test_the_timeline_counts_the_time_no_kernel_ran(bk):
     assert lines[-1] == ("span 300.0 us: kernels running 260.0 us, only copies 60.0 us (20.0%), "
                          "none running 40.0 us (13.3%)")
     assert bk.timeline([]) == "(no kernels)"
+    graphed = bk.timeline([event(100, 200, 7, "a"), event(150, 260, 61, "memcpy128"), event(300, 400, 7, "b")])
+    assert graphed.splitlines()[-1].startswith("span 300.0 us: kernels running 260.0 us, only copies 60.0 us")
 
 
 def test_the_fa4_varlen_call_passes_what_fa4s_interface_asserts(bk, monkeypatch):
