@@ -15,6 +15,7 @@ Tensors in the loops are ``[b, h, s, d]`` views (``[b, h, s]`` for lse), accumul
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -151,7 +152,7 @@ class LocalKV:
 
 
 class LocalDKV:
-    """dK/dV added into their owner's accumulators (one per rank, or one shared): in place when
+    """dK/dV added into their owner's accumulators (one per rank): in place when
     the step holds the owner's whole shard and its part would travel in the accumulator dtype,
     else through the step's own rows (a gathered step's:
     every owner's rows it read), which its tiles write without zeroing them where they read every
@@ -165,8 +166,6 @@ class LocalDKV:
         self.part = None
 
     def _home(self, owner: int):
-        if isinstance(self.dks, torch.Tensor):
-            return self.dks, self.dvs
         return self.dks[owner], self.dvs[owner]
 
     def start(self, step: Step):
@@ -235,6 +234,73 @@ class BiasTiles:
         self.grad[:, :, rows[:, None], cols[None, :]] += grad
 
 
+_SIDE_STREAMS: dict = {}   # (device, a stream) -> the stream its ring runs step 0 on
+
+
+def _side_stream(main: torch.cuda.Stream) -> torch.cuda.Stream:
+    """The second stream of the ring running on ``main``: one per stream (two threads capturing
+    rings on streams of their own never share one), at ``main``'s priority."""
+    key = (main.device, main.cuda_stream)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(main.device, priority=main.priority)
+    return _SIDE_STREAMS[key]
+
+
+def beside_join(steps) -> Optional[int]:
+    """The step that computes next after step 0 (the first with tiles; a run's members have none),
+    beside which step 0 runs; None where there is none or step 0 has no tiles."""
+    if not steps or steps[0].index != 0 or not steps[0].tiles:
+        return None
+    return next((s.index for s in steps[1:] if s.tiles), None)
+
+
+class Beside:
+    """Step 0 beside the next step that computes (docs/design.md, section 7): step 0 reads only
+    this rank's own K/V, so its tiles (and in the backward its dK/dV's ``start`` and ``finish``)
+    are issued on a second CUDA stream that waits for everything before it, and the ring's stream
+    waits for them once the next computing step's tiles are issued (``join``), before anything
+    reads what step 0 wrote: a causal step 0 leaves SMs idle in its last waves, which the next
+    step's call fills. Both steps' tiles write different buffers, and dq rows they share go
+    through FA4's atomic adds (``RowsBackward.concurrent``); step 0's sink gradient is summed
+    apart. On only with ``on`` (a kernel whose calls may run at once, ``TileKernel.concurrent``),
+    on CUDA, and where another step computes (``beside_join``); a CUDA graph captures both streams.
+    A context manager: the ring's stream joins on the way out too, an error's included."""
+
+    def __init__(self, steps, like: torch.Tensor, *, on: bool):
+        self.at = beside_join(steps) if on and like.is_cuda else None
+        self.on = self.at is not None
+        self.main = self.side = None
+        if self.on:
+            self.main = torch.cuda.current_stream(like.device)
+            self.side = _side_stream(self.main)
+
+    def __enter__(self) -> "Beside":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.at is not None and self.side is not None:
+            self.main.wait_stream(self.side)
+            self.at = None
+
+    def stream(self, step: Step, *reads):
+        """The stream ``step`` is issued on: the second one for step 0 (which waits for the ring's
+        stream first), else the ring's. ``reads``: tensors made on the ring's stream that step 0
+        reads (its K/V), kept from reuse until the second stream is done with them."""
+        if not self.on or step.index != 0:
+            return contextlib.nullcontext()
+        self.side.wait_stream(self.main)
+        for x in reads:
+            if x is not None:
+                x.record_stream(self.side)
+        return torch.cuda.stream(self.side)
+
+    def join(self, step: Step) -> None:
+        """After ``step``'s tiles: the ring's stream waits for step 0 if ``step`` is the one beside it."""
+        if self.at is not None and step.index == self.at:
+            self.main.wait_stream(self.side)
+            self.at = None
+
+
 def tile_sink(tile: Tile, sink: Optional[torch.Tensor], strategy: SinkStrategy) -> Optional[torch.Tensor]:
     """The sink a tile gets: step 0's tiles under ``step0``, every tile under the ``every-tile`` bug."""
     if sink is None or strategy is SinkStrategy.POST_MERGE:
@@ -282,19 +348,21 @@ def run_forward(plan: RankPlan, kv: KVSource, *, state: ForwardState, sink: Opti
     last = plan.steps[-1]
     merged = False    # the rows' result so far is in the accumulator, not the output buffer
     state.parts_lse.fill_(NEG_INF)   # no part covers a row until a tile writes it (the state may be reused)
-    for step in plan.steps:
-        k, v = kv.get(step)
-        with profiling.active.compute("fwd", step.index):
-            _forward_tiles(step, k=k, v=v, state=state, sink=sink, bias=bias, opts=opts, strategy=strategy)
-            final = step is last
-            if step.merges or (final and fold is not None):
-                n = step.merges
-                merge_parts_(state.o_acc if merged else state.out, state.lse, state.parts_o[:n],
-                             state.parts_lse[:n], into=state.out if final else state.o_acc,
-                             sink=fold if final else None)
-                if not final:
-                    state.parts_lse[:n].fill_(NEG_INF)
-                    merged = True
+    with Beside(plan.steps, state.q, on=opts.kernel.concurrent and bias is None) as beside:
+        for step in plan.steps:
+            k, v = kv.get(step)
+            with beside.stream(step, k, v), profiling.active.compute("fwd", step.index):
+                _forward_tiles(step, k=k, v=v, state=state, sink=sink, bias=bias, opts=opts, strategy=strategy)
+                beside.join(step)   # (after the step's tiles: before anything reads step 0's results)
+                final = step is last
+                if step.merges or (final and fold is not None):
+                    n = step.merges
+                    merge_parts_(state.o_acc if merged else state.out, state.lse, state.parts_o[:n],
+                                 state.parts_lse[:n], into=state.out if final else state.o_acc,
+                                 sink=fold if final else None)
+                    if not final:
+                        state.parts_lse[:n].fill_(NEG_INF)
+                        merged = True
 
 
 def _forward_tiles(step: Step, *, k, v, state: ForwardState, sink, bias, opts: CPOptions,
@@ -329,14 +397,21 @@ def run_backward(plan: RankPlan, kv: KVSource, dkv: DKVSink, *, state: BackwardS
     rows = opts.kernel.rows_backward(state, scale=opts.scale,
                                      tiles=[t for step in plan.backward_steps for t in step.tiles],
                                      biased=bias is not None)
-    for step in plan.backward_steps:
-        k, v = kv.get(step)
-        dk, dv, write = dkv.start(step)
-        with profiling.active.compute("bwd", step.index):
-            _backward_tiles(step, k=k, v=v, dk=dk, dv=dv, write=write, rows=rows, sink=sink, bias=bias,
-                            strategy=strategy, d_sink=d_sink)
-        dkv.finish(step)
+    with Beside(plan.backward_steps, state.q,
+                on=opts.kernel.concurrent and rows.concurrent and bias is None) as beside:
+        d_sink_0 = torch.zeros_like(sink) if from_tiles and beside.on else d_sink   # summed apart: no race
+        for step in plan.backward_steps:
+            k, v = kv.get(step)
+            with beside.stream(step, k, v):
+                dk, dv, write = dkv.start(step)
+                with profiling.active.compute("bwd", step.index):
+                    _backward_tiles(step, k=k, v=v, dk=dk, dv=dv, write=write, rows=rows, sink=sink, bias=bias,
+                                    strategy=strategy, d_sink=d_sink_0 if step.index == 0 else d_sink)
+                    beside.join(step)   # (before the step's dK/dV go on, which may add into step 0's)
+                dkv.finish(step)
     rows.finish()
+    if d_sink_0 is not d_sink:
+        d_sink += d_sink_0
     if sink is not None and not from_tiles:
         d_sink = sink_grad(state.out, state.grad_out, state.lse, sink)
     return d_sink

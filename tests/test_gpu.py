@@ -416,6 +416,43 @@ def test_fa4_rows_backward_matches_the_per_tile_backward_and_the_reference(fa4_k
         assert compare(got[True][name], got[False][name], tol).passed, name
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("mask,window", [("causal", None), ("no_mask", None), ("causal", (127, 0))])
+@pytest.mark.parametrize("softmax_type", ["vanilla", "learnable"])
+@pytest.mark.parametrize("h,g,d", [(8, 8, 128), (8, 2, 64)], ids=["mha-d128", "gqa-d64"])
+@pytest.mark.parametrize("kind", ["ring", "direct"])
+def test_step_0_beside_the_next_step_matches_one_stream_and_the_reference(fa4_kernel, monkeypatch, cp, mask, window,
+                                                                         softmax_type, h, g, d, kind):
+    """On fa4 every rank's step 0 runs on a second stream beside its next step (``ring.Beside``),
+    forward and backward: the result matches the reference and the one-stream ring's, and the
+    ring's stream did join the second one at that step. A windowed tile sees only part of its
+    rows, so that backward runs tile by tile (``TileRowsBackward``, whose dq adds are one after
+    the other): there only the forward's step 0 runs beside."""
+    from sinkprof import ring
+    joined = []
+    join = ring.Beside.join
+
+    def spy(self, step):
+        if self.at is not None and step.index == self.at:
+            joined.append(step.index)
+        join(self, step)
+    monkeypatch.setattr(ring.Beside, "join", spy)
+    spec = make_spec(softmax_type, mask, window, "bshd")
+    x = make_inputs(Shape(b=1, s=1024 * cp, h=h, g=g, d=d), spec, seed=cp).to("cuda", torch.bfloat16)
+    ref = reference(x.to("cuda", torch.float64), spec)
+    tol = tolerance_for(torch.bfloat16, gqa=g < h)
+    got = {}
+    for concurrent in (False, True):
+        monkeypatch.setattr(fa4_kernel, "concurrent", concurrent)
+        joined.clear()
+        got[concurrent] = emulate_ring(x, spec, cp, SinkStrategy.STEP0, kernel=fa4_kernel,
+                                       kv_schedule=kind).result.named()
+        assert len(joined) == (cp * (2 if window is None else 1) if concurrent else 0), joined   # every rank
+    for name, want in ref.named().items():
+        assert compare(got[True][name], want, tol).passed, name
+        assert compare(got[True][name], got[False][name], tol).passed, name
+
+
 @pytest.mark.parametrize("h,g,d", [(8, 8, 128), (8, 2, 64)], ids=["mha-d128", "gqa-d64"])
 @pytest.mark.parametrize("layout", ["bshd", "sbhd"])
 def test_fa4_rows_backward_writes_a_tiles_dkv_into_the_views_given_and_nowhere_else(fa4_kernel, h, g, d, layout):

@@ -36,6 +36,8 @@ class TileGrads:
 class TileKernel(Protocol):
     name: str
     sink_strategy: SinkStrategy       # the strategy cp_attention uses here by default: the faster one
+    concurrent: bool                  # two calls may run at once on two CUDA streams (nothing shared
+                                      # between calls): a ring runs step 0 beside the next step (ring.Beside)
 
     def forward(self, q, k, v, band: Band, sink, bias, scale: float, *, out=None,
                 lse=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +78,8 @@ class BackwardState:
 
 
 class RowsBackward(Protocol):
+    concurrent: bool    # two tiles may run at once on two CUDA streams (dq rows they share added atomically)
+
     def tile(self, rows: slice, k, v, band: Band, sink, bias, *, first: bool, dkv=None) -> TileGrads:
         """One tile of rows ``rows`` against ``k``, ``v``: its dK, dV (and sink, bias) gradients;
         its dq goes to the rows' dq (``first``: the rows' first tile, nothing to add to yet), so
@@ -97,6 +101,8 @@ class TileRowsBackward:
     accumulator (``state.dq`` itself when it has the accumulator dtype). With ``single`` (every
     row in one tile: the allgather schedule's one step) there is nothing to add: each tile's dq is
     written straight into ``state.dq``, a group's by the kernel itself."""
+
+    concurrent = False   # two tiles' dq added into one accumulator: one after the other
 
     def __init__(self, kernel: TileKernel, state: BackwardState, scale: float, *, single: bool = False):
         self.kernel, self.state, self.scale, self.single = kernel, state, scale, single
@@ -131,6 +137,8 @@ class TileRowsBackward:
 class TileByTile:
     """What a kernel that runs one tile per call does with a ring's rows and groups: each tile's
     dq added into the ring's accumulator, a group's tiles one after the other."""
+
+    concurrent = False   # a backend whose calls share nothing says so
 
     def rows_backward(self, state: BackwardState, *, scale: float, tiles, biased: bool) -> TileRowsBackward:
         return TileRowsBackward(self, state, scale, single=one_tile_per_row(tiles))

@@ -109,6 +109,7 @@ class FA4Tiles(TileByTile):
     name = "fa4"
     sink_strategy = SinkStrategy.STEP0      # the faster one here (docs/benchmarks.md)
     rows_path = True                        # False: every backward tile through _flash_attn_bwd (for comparisons)
+    concurrent = True                       # a call's scratch is its own (the bias fallback never runs beside)
 
     def __init__(self, device_index: int):
         self.device = torch.device("cuda", device_index)

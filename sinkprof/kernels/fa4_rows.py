@@ -87,7 +87,11 @@ def unqualified(tiles, n: int, block: int) -> Optional[str]:
 
 
 class FA4RowsBackward:
-    """The rows path (module docstring): one preprocess, a main kernel per tile, one postprocess."""
+    """The rows path (module docstring): one preprocess, a main kernel per tile, one postprocess.
+    Two tiles may run at once on two streams (``ring.Beside``): their dq goes into the accumulator
+    through FA4's atomic adds, and each stream has dK/dV scratch of its own."""
+
+    concurrent = True
 
     def __init__(self, interface, state: BackwardState, scale: float, cfg, *, kv_rows: int, window, quiet):
         """``interface``: ``flash_attn.cute.interface``; ``kv_rows``: the largest tile's keys;
@@ -113,7 +117,7 @@ class FA4RowsBackward:
         self.dout = fa4.maybe_contiguous(_bshd(state.grad_out))
         self.cute_dtype = fa4.torch2cute_dtype_map[q.dtype]
         self.arch = fa4._get_device_arch()
-        self._kv_scratch: dict = {}
+        self._kv_scratch: dict = {}   # a stream -> its dK/dV scratch
         with self._quiet():
             fa4._bwd_preprocess(fa4.maybe_contiguous(_bshd(state.out)), self.dout, self.dpsum,
                                 fa4.maybe_contiguous(state.lse), self.lse_log2, self.dq_accum, None, None, None,
@@ -122,18 +126,19 @@ class FA4RowsBackward:
 
     def _scratch(self, k: torch.Tensor, v: torch.Tensor, dkv):
         """dK/dV outputs (q's dtype, ``[b, n_kv, g, d]``: ``dkv``'s when given, else scratch) and,
-        under GQA, FA4's zeroed fp32 accumulators for them: views of buffers made at the first tile
-        for the largest tile."""
+        under GQA, FA4's zeroed fp32 accumulators for them: views of buffers made at the stream's
+        first tile for the largest tile, one set a stream."""
         b, g, n_kv, d = k.shape
-        if not self._kv_scratch:
+        stream = torch.cuda.current_stream(k.device).cuda_stream
+        if stream not in self._kv_scratch:
             rows, dev = _round_up(self.kv_rows, self.cfg.n_block_size), k.device
-            self._kv_scratch = dict(dk=torch.empty(b, rows, g, d, dtype=self.dtype, device=dev),
-                                    dv=torch.empty(b, rows, g, v.shape[-1], dtype=self.dtype, device=dev))
+            s = dict(dk=torch.empty(b, rows, g, d, dtype=self.dtype, device=dev),
+                     dv=torch.empty(b, rows, g, v.shape[-1], dtype=self.dtype, device=dev))
             if self.state.q.shape[1] != g:
-                self._kv_scratch.update(
-                    dk_accum=torch.empty(b, g, rows * self.d_rounded, dtype=torch.float32, device=dev),
-                    dv_accum=torch.empty(b, g, rows * self.dv_rounded, dtype=torch.float32, device=dev))
-        s = self._kv_scratch
+                s.update(dk_accum=torch.empty(b, g, rows * self.d_rounded, dtype=torch.float32, device=dev),
+                         dv_accum=torch.empty(b, g, rows * self.dv_rounded, dtype=torch.float32, device=dev))
+            self._kv_scratch[stream] = s
+        s = self._kv_scratch[stream]
         if dkv is not None:
             dk, dv = _bshd(dkv[0]), _bshd(dkv[1])
         else:

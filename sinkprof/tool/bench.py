@@ -349,8 +349,9 @@ def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device
         lse = torch.empty(q.shape[1 - sd], case.shape.h, q.shape[sd], dtype=acc, device=device)
         out = torch.empty_like(q)
         dq = torch.empty_like(q)
-        dkv = LocalDKV(torch.zeros(ks[0].shape, dtype=acc, device=device),
-                       torch.zeros(vs[0].shape, dtype=acc, device=device), schedule, reader=rank,
+        # an accumulator per owner, as on the ranks: step 0's tiles may run beside the next step's (ring.Beside)
+        dkv = LocalDKV([torch.zeros(k.shape, dtype=acc, device=device) for k in ks],
+                       [torch.zeros(v.shape, dtype=acc, device=device) for v in vs], schedule, reader=rank,
                        kv_dtype=dtype)
         rows: list = []
         fwd_state = ForwardState.make(plan, fmt.to_bhsd(q), fmt.to_bhsd(out), lse)
