@@ -176,13 +176,25 @@ def overlap_rows(rows: list[dict]) -> list[dict]:
     """Add ``overlap_ms`` and ``exposed_ms`` to communication rows (one rank, one iteration): the
     part of an exchange that ran while the rank computed, any step of its phase (K/V posted in
     step i overlaps step i; dK/dV posted after step i overlaps step i+1), and the rest
-    (communication nobody hid). The compute of one rank is one stream, so its steps never overlap
-    each other and the sum of the intersections is the overlap."""
-    compute = [r for r in rows if r["kind"] == "compute"]
+    (communication nobody hid). Steps may compute at once (step 0 beside the next step on a second
+    stream, ``ring.Beside``), so the overlap is the intersection with the union of the phase's
+    compute spans."""
+    busy = {phase: _union([(c["start_ms"], c["end_ms"]) for c in rows if c["kind"] == "compute" and c["phase"] == phase])
+            for phase in {r["phase"] for r in rows}}
     for r in rows:
         if r["kind"] in ("kv", "dkv", "a2a"):
-            ov = sum(max(0.0, min(r["end_ms"], c["end_ms"]) - max(r["start_ms"], c["start_ms"]))
-                     for c in compute if c["phase"] == r["phase"])
+            ov = sum(max(0.0, min(r["end_ms"], e) - max(r["start_ms"], s)) for s, e in busy[r["phase"]])
             r["overlap_ms"] = ov
             r["exposed_ms"] = max(0.0, r["dur_ms"] - ov)
     return rows
+
+
+def _union(spans) -> list[tuple[float, float]]:
+    """Intervals ``spans`` merged where they overlap, in order."""
+    out: list = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out

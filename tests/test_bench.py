@@ -195,3 +195,16 @@ def test_a_dkv_exchange_hides_under_the_next_steps_compute():
     kv, dkv = rows[2], rows[3]
     assert kv["overlap_ms"] == 9.0 and kv["exposed_ms"] == 2.0          # hidden under step 0 only
     assert dkv["overlap_ms"] == 6.0 and dkv["exposed_ms"] == 1.5        # 10.5-12 waits, 12-18 under step 1
+
+
+
+def test_an_exchange_under_two_steps_computing_at_once_overlaps_their_union_once():
+    """Step 0 on a second stream beside step 1 (``ring.Beside``): an exchange under both is hidden
+    for the union of their spans, not the sum."""
+    from sinkprof.profiling import overlap_rows
+
+    def row(kind, step, start, end):
+        return dict(phase="bwd", step=step, kind=kind, start_ms=start, end_ms=end, dur_ms=end - start)
+    kv, = [r for r in overlap_rows([row("compute", 0, 0.0, 10.0), row("compute", 1, 2.0, 14.0),
+                                    row("kv", 1, 1.0, 16.0)]) if r["kind"] == "kv"]
+    assert kv["overlap_ms"] == 13.0 and kv["exposed_ms"] == 2.0         # 1-14 under either, 14-16 under none

@@ -369,3 +369,28 @@ def test_packs_are_named_by_their_documents():
     assert sorted(slugs(pd.DataFrame([a, b])).values()) == [
         "p2p-learnable-step0-causal-w127-0-thd3docs-fp32-cp4-docs-64-64-384",
         "p2p-learnable-step0-causal-w127-0-thd3docs-fp32-cp4-docs-96-160-256"]
+
+
+def test_step_0_beside_the_next_step_counts_once_in_a_ranks_compute_and_has_a_thread_of_its_own(csvs):
+    """Where step 0 ran on a second stream beside step 1 (``ring.Beside``), the rank's compute
+    time is the union of its spans, not their sum, and the trace draws step 0 on "compute beside"."""
+    from sinkprof.tool.chrome_trace import BESIDE_TID, COMPUTE_TID, trace
+    from sinkprof.tool.report import rank_table
+    df = load([csvs[0]])
+    first = df["iteration"] == df["iteration"].min()
+    mine = (df["kind"] == "compute") & (df["phase"] == "bwd") & (df["rank"] == 0) & first
+    steps = df[mine].set_index("step")
+    s1, e1 = steps.loc[1, "start_ms"], steps.loc[1, "end_ms"]
+    zero = mine & (df["step"] == 0)   # starts first, ends a quarter into step 1
+    df.loc[zero, "start_ms"], df.loc[zero, "end_ms"] = s1 - 0.5 * (e1 - s1), s1 + 0.25 * (e1 - s1)
+    df.loc[mine, "dur_ms"] = df.loc[mine, "end_ms"] - df.loc[mine, "start_ms"]
+    want = df.loc[mine, "dur_ms"].sum() - 0.25 * (e1 - s1)
+    ranks = rank_table(df[first])
+    got = ranks[(ranks["phase"] == "bwd") & (ranks["rank"] == 0)]["compute_ms"].item()
+    assert got == pytest.approx(want)
+    events = trace(df[first])["traceEvents"]
+    computes = {e["name"]: e["tid"] for e in events if e["ph"] == "X" and e["cat"] == "compute" and e["pid"] == 0}
+    assert computes["bwd step 0 compute"] == BESIDE_TID and computes["bwd step 1 compute"] == COMPUTE_TID
+    assert computes["fwd step 0 compute"] == COMPUTE_TID   # the forward's spans did not move
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert (0, "compute beside") in names and (1, "compute beside") not in names

@@ -1,7 +1,8 @@
 """``sinkprof report --chrome-trace``: one Trace Event Format file of every rank, for Perfetto or
 chrome://tracing. Each rank is a process (``pid`` = rank), its compute one thread and each kind of
 exchange (kv, dkv, a2a) one communication thread: exchanges of two kinds overlap in time, and the
-events of one thread must nest. Every row with start and end times is an ``X`` (complete) event,
+events of one thread must nest. Step 0's compute, where it overlaps the next step's (it ran on a
+second stream beside it, ``ring.Beside``), is on a thread of its own, "compute beside". Every row with start and end times is an ``X`` (complete) event,
 ``ts`` and ``dur`` in microseconds, an exchange's ``args`` with the bytes it sent; an arg the CSV
 has no value for is left out (JSON has no NaN). The exposed parts of an exchange are child events
 ``exposed`` inside it. Iterations and cases follow one another on one time axis: each iteration
@@ -18,6 +19,7 @@ from .report import CASE_KEYS, COMM_KINDS, exposed_spans, label
 
 COMPUTE_TID = 0
 COMM_TIDS = {"kv": 1, "dkv": 2, "a2a": 3}
+BESIDE_TID = 4
 GAP_US = 50.0
 
 
@@ -32,9 +34,18 @@ def _event(name, cat, pid, tid, ts, dur, args=None) -> dict:
             "dur": round(max(dur, 0.0), 3), "args": _known(args or {})}
 
 
+def _beside(row, computes: dict) -> bool:
+    """Whether ``row`` is a step 0 compute that overlaps another step's of its phase (``computes``:
+    the rank's compute rows of the iteration by (phase, step))."""
+    if int(row["step"]) != 0:
+        return False
+    return any(phase == row["phase"] and step != 0 and c["start_ms"] < row["end_ms"] and row["start_ms"] < c["end_ms"]
+               for (phase, step), c in computes.items())
+
+
 def trace(df: pd.DataFrame) -> dict:
     events: list = []
-    ranks, comm_tids = set(), set()
+    ranks, comm_tids, beside = set(), set(), set()
     t = 0.0
     for case, rows in df.groupby(CASE_KEYS, sort=False):
         rows = rows.dropna(subset=["start_ms", "end_ms"])
@@ -56,8 +67,11 @@ def trace(df: pd.DataFrame) -> dict:
                         events.append(_event(f"{r['phase']} iteration {it}{suffix}", "iteration", rank, COMPUTE_TID,
                                              ts, dur, args))
                     elif r["kind"] == "compute":
+                        tid = BESIDE_TID if _beside(r, computes) else COMPUTE_TID
+                        if tid == BESIDE_TID:
+                            beside.add(int(rank))
                         events.append(_event(f"{r['phase']} step {int(r['step'])} compute{suffix}", "compute", rank,
-                                             COMPUTE_TID, ts, dur, args))
+                                             tid, ts, dur, args))
                     elif r["kind"] in COMM_KINDS:
                         tid = COMM_TIDS[r["kind"]]
                         comm_tids.add(tid)
@@ -80,6 +94,11 @@ def trace(df: pd.DataFrame) -> dict:
         meta += [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
                  {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
                  {"name": "thread_name", "ph": "M", "pid": rank, "tid": COMPUTE_TID, "args": {"name": "compute"}}]
+        if rank in beside:
+            meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": BESIDE_TID,
+                      "args": {"name": "compute beside"}},
+                     {"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": BESIDE_TID,
+                      "args": {"sort_index": BESIDE_TID}}]
         for kind, tid in COMM_TIDS.items():
             if tid in comm_tids:
                 meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,

@@ -332,11 +332,20 @@ def flops_text(tflops: float, per: str = "GPU") -> str:
     return f"{value:.3g} {unit} per {per}" if value < 1e3 else f"{value:.0f} {unit} per {per}"
 
 
+def _busy_ms(rows: pd.DataFrame) -> float:
+    """One rank's compute time in one iteration: the union of its compute spans (step 0 may run
+    beside the next step, ``ring.Beside``), or their sum where the rows have no start and end."""
+    if rows[["start_ms", "end_ms"]].notna().all().all():
+        return union_ms(zip(rows["start_ms"].astype(float), rows["end_ms"].astype(float)))
+    return float(rows["dur_ms"].sum())
+
+
 def rank_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per case, phase and rank: median compute ms over iterations (load balance)."""
-    comp = df[df["kind"] == "compute"].groupby(CASE_KEYS + ["phase", "iteration", "rank"])["dur_ms"].sum()
-    if comp.empty:
+    compute = df[df["kind"] == "compute"]
+    if compute.empty:
         return pd.DataFrame()
+    comp = compute.groupby(CASE_KEYS + ["phase", "iteration", "rank"])[["start_ms", "end_ms", "dur_ms"]].apply(_busy_ms)
     return comp.groupby(level=CASE_KEYS + ["phase", "rank"]).median().rename("compute_ms").reset_index()
 
 
