@@ -179,8 +179,8 @@ def overlap_rows(rows: list[dict]) -> list[dict]:
     (communication nobody hid). Steps may compute at once (step 0 beside the next step on a second
     stream, ``ring.Beside``), so the overlap is the intersection with the union of the phase's
     compute spans."""
-    busy = {phase: _union([(c["start_ms"], c["end_ms"]) for c in rows if c["kind"] == "compute" and c["phase"] == phase])
-            for phase in {r["phase"] for r in rows}}
+    busy = {phase: _union([(c["start_ms"], c["end_ms"]) for c in rows
+                           if c["kind"] == "compute" and c["phase"] == phase]) for phase in {r["phase"] for r in rows}}
     for r in rows:
         if r["kind"] in ("kv", "dkv", "a2a"):
             ov = sum(max(0.0, min(r["end_ms"], e) - max(r["start_ms"], s)) for s, e in busy[r["phase"]])

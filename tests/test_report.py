@@ -371,9 +371,10 @@ def test_packs_are_named_by_their_documents():
         "p2p-learnable-step0-causal-w127-0-thd3docs-fp32-cp4-docs-96-160-256"]
 
 
-def test_step_0_beside_the_next_step_counts_once_in_a_ranks_compute_and_has_a_thread_of_its_own(csvs):
+def test_step_0_beside_the_next_step_counts_once_in_a_ranks_compute_and_is_drawn_apart(csvs, monkeypatch):
     """Where step 0 ran on a second stream beside step 1 (``ring.Beside``), the rank's compute
-    time is the union of its spans, not their sum, and the trace draws step 0 on "compute beside"."""
+    time is the union of its spans, not their sum, the trace draws step 0 on "compute beside", and
+    the timeline in the upper half of the rank's compute lane, its other steps in the lower half."""
     from sinkprof.tool.chrome_trace import BESIDE_TID, COMPUTE_TID, trace
     from sinkprof.tool.report import rank_table
     df = load([csvs[0]])
@@ -394,3 +395,18 @@ def test_step_0_beside_the_next_step_counts_once_in_a_ranks_compute_and_has_a_th
     assert computes["fwd step 0 compute"] == COMPUTE_TID   # the forward's spans did not move
     names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert (0, "compute beside") in names and (1, "compute beside") not in names
+    from matplotlib.axes import Axes
+    bars = []
+    barh = Axes.barh
+
+    def spy(self, y, width, *args, **kwargs):
+        if kwargs.get("color") == figures.COMPUTE:
+            bars.append((y, kwargs["left"], kwargs["height"]))
+        return barh(self, y, width, *args, **kwargs)
+    monkeypatch.setattr(Axes, "barh", spy)
+    assert figures.timeline(df[first], "bwd") is not None
+    lanes = 2   # compute and communication lanes a rank
+    rank0 = {left: (y, height) for y, left, height in bars if abs(y) < 0.5}
+    assert rank0[s1 - 0.5 * (e1 - s1)] == (pytest.approx(-0.2), 0.4)   # step 0
+    assert all(v == (pytest.approx(0.2), 0.4) for left, v in rank0.items() if left != s1 - 0.5 * (e1 - s1))
+    assert {height for y, _, height in bars if abs(y - lanes) < 0.5} == {0.8}   # rank 1: one bar a step

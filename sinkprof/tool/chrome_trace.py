@@ -2,12 +2,12 @@
 chrome://tracing. Each rank is a process (``pid`` = rank), its compute one thread and each kind of
 exchange (kv, dkv, a2a) one communication thread: exchanges of two kinds overlap in time, and the
 events of one thread must nest. Step 0's compute, where it overlaps the next step's (it ran on a
-second stream beside it, ``ring.Beside``), is on a thread of its own, "compute beside". Every row with start and end times is an ``X`` (complete) event,
-``ts`` and ``dur`` in microseconds, an exchange's ``args`` with the bytes it sent; an arg the CSV
-has no value for is left out (JSON has no NaN). The exposed parts of an exchange are child events
-``exposed`` inside it. Iterations and cases follow one another on one time axis: each iteration
-starts when the slowest rank's previous one ended (each rank's times count from its own
-iteration start mark).
+second stream beside it, ``ring.Beside``), is on a thread of its own, "compute beside". Every row
+with start and end times is an ``X`` (complete) event, ``ts`` and ``dur`` in microseconds, an
+exchange's ``args`` with the bytes it sent; an arg the CSV has no value for is left out (JSON has no
+NaN). The exposed parts of an exchange are child events ``exposed`` inside it. Iterations and cases
+follow one another on one time axis: each iteration starts when the slowest rank's previous one
+ended (each rank's times count from its own iteration start mark).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import math
 
 import pandas as pd
 
-from .report import CASE_KEYS, COMM_KINDS, exposed_spans, label
+from .report import CASE_KEYS, COMM_KINDS, beside, exposed_spans, label
 
 COMPUTE_TID = 0
 COMM_TIDS = {"kv": 1, "dkv": 2, "a2a": 3}
@@ -34,18 +34,9 @@ def _event(name, cat, pid, tid, ts, dur, args=None) -> dict:
             "dur": round(max(dur, 0.0), 3), "args": _known(args or {})}
 
 
-def _beside(row, computes: dict) -> bool:
-    """Whether ``row`` is a step 0 compute that overlaps another step's of its phase (``computes``:
-    the rank's compute rows of the iteration by (phase, step))."""
-    if int(row["step"]) != 0:
-        return False
-    return any(phase == row["phase"] and step != 0 and c["start_ms"] < row["end_ms"] and row["start_ms"] < c["end_ms"]
-               for (phase, step), c in computes.items())
-
-
 def trace(df: pd.DataFrame) -> dict:
     events: list = []
-    ranks, comm_tids, beside = set(), set(), set()
+    ranks, comm_tids, beside_ranks = set(), set(), set()
     t = 0.0
     for case, rows in df.groupby(CASE_KEYS, sort=False):
         rows = rows.dropna(subset=["start_ms", "end_ms"])
@@ -67,9 +58,10 @@ def trace(df: pd.DataFrame) -> dict:
                         events.append(_event(f"{r['phase']} iteration {it}{suffix}", "iteration", rank, COMPUTE_TID,
                                              ts, dur, args))
                     elif r["kind"] == "compute":
-                        tid = BESIDE_TID if _beside(r, computes) else COMPUTE_TID
+                        same = [c for (phase, _), c in computes.items() if phase == r["phase"]]
+                        tid = BESIDE_TID if beside(r, same) else COMPUTE_TID
                         if tid == BESIDE_TID:
-                            beside.add(int(rank))
+                            beside_ranks.add(int(rank))
                         events.append(_event(f"{r['phase']} step {int(r['step'])} compute{suffix}", "compute", rank,
                                              tid, ts, dur, args))
                     elif r["kind"] in COMM_KINDS:
@@ -94,7 +86,7 @@ def trace(df: pd.DataFrame) -> dict:
         meta += [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
                  {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
                  {"name": "thread_name", "ph": "M", "pid": rank, "tid": COMPUTE_TID, "args": {"name": "compute"}}]
-        if rank in beside:
+        if rank in beside_ranks:
             meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": BESIDE_TID,
                       "args": {"name": "compute beside"}},
                      {"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": BESIDE_TID,

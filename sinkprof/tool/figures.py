@@ -4,8 +4,10 @@ A timeline shows one iteration (the median one by wall time) of every rank: a la
 and a lane for its communication, each ring step a bar with its number on it, the part of an
 exchange that no compute of its step overlapped (the exposed communication, as the CSV's
 ``exposed_ms`` counts it) in red, the hidden part in green; times in ms from each rank's iteration
-start. The summary puts FLOP/s per GPU (per rank on the CPU) and the exposed share side by side, each case labelled by
-what differs between the cases. Rows that are predictions (``predicted``) are hatched and titled so.
+start (a step 0 that ran beside a later step, on a second stream, in the upper half of the compute
+lane, the other steps in the lower half). The summary puts FLOP/s per GPU (per rank on the CPU) and
+the exposed share side by side, each case labelled by what differs between the cases. Rows that are
+predictions (``predicted``) are hatched and titled so.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from typing import Optional
 
 import pandas as pd
 
-from .report import (CASE_KEYS, COMM_KINDS, STEP_KINDS, TIME_COLUMNS, exposed_spans, flops_unit, iteration_table, label,
-                     run_part, slugs)
+from .report import (CASE_KEYS, COMM_KINDS, STEP_KINDS, TIME_COLUMNS, beside, exposed_spans, flops_unit,
+                     iteration_table, label, run_part, slugs)
 
 COMPUTE = "#4C72B0"
 HIDDEN = "#55A868"
@@ -112,11 +114,14 @@ def timeline(rows: pd.DataFrame, phase: str) -> Optional[bytes]:
         yticks.append(y_comp)
         ylabels.append(f"rank {rank} compute")
         computes = {int(c["step"]): c for _, c in mine[mine["kind"] == "compute"].iterrows()}
+        halves = any(beside(c, computes.values()) for c in computes.values())
         for step, c in computes.items():
+            # step 0 beside a later step (a second stream): the lane's upper half, every step the lower
+            y, height = (y_comp, 0.8) if not halves else (y_comp - 0.2, 0.4) if step == 0 else (y_comp + 0.2, 0.4)
             hatch = "//" if c["predicted"] else None
-            ax.barh(y_comp, c["end_ms"] - c["start_ms"], left=c["start_ms"], height=0.8, color=COMPUTE,
+            ax.barh(y, c["end_ms"] - c["start_ms"], left=c["start_ms"], height=height, color=COMPUTE,
                     hatch=hatch, edgecolor="white", linewidth=0.5)
-            text_on(c["start_ms"], c["end_ms"], y_comp, f"step {step}", "white")
+            text_on(c["start_ms"], c["end_ms"], y, f"step {step}", "white")
         if not kinds:
             continue
         y_comm = y_comp + 1

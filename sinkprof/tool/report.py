@@ -277,6 +277,14 @@ def exposed_spans(comm, computes) -> list[tuple[float, float]]:
     return [(a, b) for a, b in spans if b > a]
 
 
+def beside(row, computes) -> bool:
+    """Whether the compute row ``row`` is a step 0 that ran beside a later step (on a second
+    stream, ``ring.Beside``): it overlaps another of ``computes`` (its rank's compute rows of the
+    iteration and phase)."""
+    return int(row["step"]) == 0 and any(
+        int(c["step"]) != 0 and c["start_ms"] < row["end_ms"] and row["start_ms"] < c["end_ms"] for c in computes)
+
+
 def union_ms(spans) -> float:
     """The length of the union of the intervals ``spans`` (each counted once where they overlap)."""
     total, reach = 0.0, float("-inf")
