@@ -424,8 +424,19 @@ def _timed(fns: dict, calls: int = 2, rounds: int = 15) -> tuple[dict, str]:
         return interleaved_ms(fns, calls, rounds, graphed=False), "eager"
 
 
+def _streams(fn: Callable, kernel, concurrent: bool) -> Callable:
+    """``fn`` with ``kernel``'s step 0 beside the next step (``ring.Beside``) where ``concurrent``
+    and the backend allows it, else on the ring's one stream: set at each call (a capture takes
+    what is set then), as the variants of one kernel run interleaved."""
+    def call():
+        kernel.concurrent = concurrent and type(kernel).concurrent
+        fn()
+    return call
+
+
 def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sink, mask: str, d: int,
-                 profile: Optional[str] = None, cu_seqlens=None, mono: Optional[dict] = None) -> list:
+                 profile: Optional[str] = None, cu_seqlens=None, mono: Optional[dict] = None,
+                 one_stream: bool = False) -> list:
     """Per name (a backend; ``fa4-per-tile``: FA4 with its backward tile by tile; a backend and
     ``+comm``: the ring's own code over a ``Loopback`` communicator) and variant of ``RUNS``: the
     slowest (forward + backward) of ``ranks``, each running its whole schedule, the variants
@@ -434,8 +445,12 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
     step0 ring under this title. ``cu_seqlens``: a pack's boundaries. ``mono``: the monolithic
     calls (name -> function), interleaved with each rank's variants, so that a row's ratio to
     them comes from one run (``with_rates``: the row's ``mono_ms``); the machine drifts by up to
-    10% between runs."""
+    10% between runs. ``one_stream``: also vanilla step0 with every step on one stream (``vanilla
+    step0 one-stream``), against the variants' step 0 beside the next step where the backend
+    allows it."""
     cp = schedule.cp
+    runs = [(softmax, strategy, True) for softmax, strategy in RUNS] + (
+        [("vanilla", SinkStrategy.STEP0, False)] if one_stream else [])
     rows = []
     for name in names:
         kernel = get_kernel(name.removesuffix("-per-tile").removesuffix("+comm"), ks[0].device)
@@ -445,8 +460,8 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
             qh, dol = shards(rank)
             flops = rank_flops(plan, qh.shape[0], qh.shape[1], d)
             fns, host = {}, {}
-            for softmax, strategy in RUNS:
-                variant = f"{softmax} {strategy.value}"
+            for softmax, strategy, beside in runs:
+                variant = f"{softmax} {strategy.value}" + ("" if beside else " one-stream")
                 if name.endswith("+comm"):
                     ring = _comm_ring_fns(kernel, schedule, rank,
                                           *(x.transpose(1, 2) for x in (qh, ks[rank], vs[rank], dol)),
@@ -454,14 +469,16 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
                 else:
                     ring = _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d,
                                      rows_path=not name.endswith("-per-tile"))
+                ring = dataclasses.replace(ring, fwd=_streams(ring.fwd, kernel, beside),
+                                           bwd=_streams(ring.bwd, kernel, beside))
                 ring.fwd(), ring.bwd()
                 host[variant] = (host_us(ring.fwd) + host_us(ring.bwd)) / (2 * len(plan.steps))
                 fns[variant + " fwd"], fns[variant + " bwd"] = ring.fwd, ring.bwd
                 if profile and (softmax, strategy) == RUNS[1]:
                     _profile_step(f"{name} {profile} rank {rank} {variant}", ring.fwd, ring.bwd)
             timed, timing = _timed(fns | {f"mono {n}": fn for n, fn in (mono or {}).items()})
-            for softmax, strategy in RUNS:
-                variant = f"{softmax} {strategy.value}"
+            for softmax, strategy, beside in runs:
+                variant = f"{softmax} {strategy.value}" + ("" if beside else " one-stream")
                 row = dict(backend=name, kv_schedule=schedule.kind.value, layout=schedule.layout.kind.value, cp=cp,
                            mask=mask, variant=variant,
                            rank=rank, flops=flops,
@@ -497,10 +514,11 @@ def with_rates(rows: list, total: int, mono_ms: dict, mono: str = "fa4") -> list
     return rows
 
 
-def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, kinds=(KVSchedule.DIRECT,)) -> dict:
+def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, kinds=(KVSchedule.DIRECT,),
+               one_stream: bool = False) -> dict:
     """The slowest of ranks 0, cp/2, cp-1 per backend, variant and K/V schedule (``kinds``),
     against FA4 monolithic; ``names``: backends, and ``fa4-per-tile`` (FA4 with its backward tile
-    by tile)."""
+    by tile); ``one_stream``: ``slowest_rank``'s."""
     s = s_rank * cp
     gen = torch.Generator(device="cuda").manual_seed(1)
     q, do = _rand(gen, b, s, h, d), _rand(gen, b, s, h, d)
@@ -538,7 +556,8 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
     rows = []
     for kind, schedule in schedules.items():
         rows += slowest_rank(names, schedule, ranks, shards, ks, vs, sink, mask, d,
-                             profile=f"cp={cp} {mask} {kind.value}" if profile else None, mono=whole)
+                             profile=f"cp={cp} {mask} {kind.value}" if profile else None, mono=whole,
+                             one_stream=one_stream)
     rows = with_rates(rows, total, mono_ms)
     if calls:
         rows = with_standalone_calls(rows, calls, total, mono_ms)
@@ -819,6 +838,9 @@ def parse_args(argv=None):
     ap.add_argument("--fa4-full-window", action="store_true",
                     help="the ring's full FA4 forward tiles as a window covering the tile (FA4's non-persistent "
                          "scheduler: its blocks retire through the call, so the copies get SMs; an experiment)")
+    ap.add_argument("--one-stream-too", action="store_true",
+                    help="the ring benchmarks also time vanilla step0 with every step on one stream ('vanilla step0 "
+                         "one-stream'), beside the variants' step 0 on a second stream where the backend allows it")
     ap.add_argument("--skip-tiles", action="store_true")
     ap.add_argument("--profile-step", action="store_true", help="print the kernels of one warm ring per config "
                     "and timed rank (learnable step0), by total time and one by one")
@@ -866,7 +888,8 @@ def main() -> None:
         h, g, d = CONFIGS[name]
         for cp in cps:
             for mask in args.masks.split(","):
-                r = ring_bench(cp, 1, h, g, args.s_rank, d, mask, args.profile_step, ring_names, args.kinds)
+                r = ring_bench(cp, 1, h, g, args.s_rank, d, mask, args.profile_step, ring_names, args.kinds,
+                               args.one_stream_too)
                 report["rings"].append(r | {"config": name})
                 print(f"\n## ring {name} cp={cp} s={r['shape']['s']} {mask}: slowest rank's schedule, TFLOP/s "
                       "(and against FA4 monolithic)")

@@ -8,7 +8,7 @@
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
-# verify14 ab14 verify15 rows15 prio15
+# verify14 ab14 verify15 rows15 prio15 beside16 beside16b
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -406,6 +406,20 @@ if [[ $what == *" prio15 "* ]]; then   # <= 540 s: the loopback's copies (NCCL's
     run ring_prio15_$v ${PRIO_S:-175} python3 scripts/bench_kernels.py --skip-tiles --rings "${PRIO_RINGS:-h16-d128:4,8}" \
         --masks "${PRIO_MASKS:-causal,no_mask}" --ring-backends fa4+comm $extra --out "$OUT/ring_prio15_$v.json"
   done
+fi
+if [[ $what == *" beside16 "* ]]; then   # <= 420 s: step 0 on a second stream beside the next step (ring.Beside):
+  # the GPU tests that run it (emulated rings, graph capture), then the real ring over NCCL on fa4 (ranks
+  # sharing the GPU) under each K/V schedule
+  run gpu_tests16 ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "beside or direct_backward_on_fa4 or (cuda_graph and fa4) or rows_backward"
+  run check_fa4_beside16 ${CHECK_S:-180} $SP check --device cuda --backend fa4 --ranks 4 --comm p2p --softmax all \
+      --mask all --kv-schedule all --dtype bf16 --sink-strategy all --sink-grad full --batch 1 --seq-len 4096 --heads 8 \
+      --kv-heads 2 --head-dim 64 --format json --output "$OUT/check_fa4_beside16.json"
+fi
+if [[ $what == *" beside16b "* ]]; then   # <= 300 s: the ring with step 0 beside against the one-stream ring, both
+  # against FA4 monolithic timed in the same run (BESIDE_RINGS, BESIDE_MASKS, BESIDE_S)
+  run ring_beside16 ${BESIDE_S:-280} python3 scripts/bench_kernels.py --skip-tiles --rings "${BESIDE_RINGS:-h16-d128:2,4,8}" \
+      --masks "${BESIDE_MASKS:-causal}" --ring-backends fa4+comm --one-stream-too --out "$OUT/ring_beside16.json"
 fi
 if [[ $what == *" prof12 "* ]]; then   # <= 420 s: where the forward's time goes at cp 2 and 4 (the ring's own code
   # against its calls standalone: 0.91-0.92 against 0.97-0.98 in rings12), then issue 15's pack honestly fed
