@@ -86,12 +86,15 @@ class Pending:
             where.phase, where.step, where.op = self.at
         stream = self.comm.stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self.comm.wait_all(self.works, self.what)
+            self.comm.wait_all(self.works, self.what)   # (NCCL: the communication stream marks the end)
             for recv, host_recv in self.staged:
                 recv.copy_(host_recv)
             profiling.active.comm_end(self.token, stream)
-        if stream is not None:  # compute may use what arrived only once the exchange is done
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        if stream is not None:
+            # compute may use what arrived only once the exchange is done: it waits for this exchange's
+            # work, not for the communication stream's tail, which waits for every stream that posted
+            # since (a step 0 running beside the next step, ring.Beside, would hold that step back)
+            self.comm.wait_all(self.works, self.what)
 
 
 class Communicator:

@@ -247,11 +247,16 @@ def _side_stream(main: torch.cuda.Stream) -> torch.cuda.Stream:
 
 
 def beside_join(steps) -> Optional[int]:
-    """The step that computes next after step 0 (the first with tiles; a run's members have none),
-    beside which step 0 runs; None where there is none or step 0 has no tiles."""
+    """The step beside which step 0 runs: the next step that is not a member of a run (members
+    only receive messages; their run's last step computes them, ``Step.joins``), if it has tiles.
+    None where step 0 has no tiles, or there is no such step: a step with no tiles of its own
+    still moves dK/dV (``DirectDKV`` adds what arrived into the home accumulator step 0 writes),
+    so it must not run while step 0 may."""
     if not steps or steps[0].index != 0 or not steps[0].tiles:
         return None
-    return next((s.index for s in steps[1:] if s.tiles), None)
+    members = {j for s in steps for j in s.joins}
+    after = next((s for s in steps[1:] if s.index not in members), None)
+    return after.index if after is not None and after.tiles else None
 
 
 class Beside:
@@ -263,13 +268,17 @@ class Beside:
     step's call fills. Both steps' tiles write different buffers, and dq rows they share go
     through FA4's atomic adds (``RowsBackward.concurrent``); step 0's sink gradient is summed
     apart. On only with ``on`` (a kernel whose calls may run at once, ``TileKernel.concurrent``),
-    on CUDA, and where another step computes (``beside_join``); a CUDA graph captures both streams.
-    A context manager: the ring's stream joins on the way out too, an error's included."""
+    on CUDA, and where the next step computes (``beside_join``); a CUDA graph captures both
+    streams. Step 0's dK/dV messages (the ring schedule's) are posted from the second stream, so
+    a wait for a message waits for its own work, not for the communication stream's tail
+    (``dist.Pending``); over gloo, which stages messages through the host, posting them waits for
+    step 0. A context manager: the ring's stream joins on the way out too, an error's included."""
 
     def __init__(self, steps, like: torch.Tensor, *, on: bool):
         self.at = beside_join(steps) if on and like.is_cuda else None
         self.on = self.at is not None
         self.main = self.side = None
+        self.forked = False   # step 0 was issued on the second stream, which the ring's has not joined yet
         if self.on:
             self.main = torch.cuda.current_stream(like.device)
             self.side = _side_stream(self.main)
@@ -278,9 +287,9 @@ class Beside:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.at is not None and self.side is not None:
+        if self.forked:   # (never before the fork: a capture must not wait on a stream it has not seen)
             self.main.wait_stream(self.side)
-            self.at = None
+            self.forked = False
 
     def stream(self, step: Step, *reads):
         """The stream ``step`` is issued on: the second one for step 0 (which waits for the ring's
@@ -289,6 +298,7 @@ class Beside:
         if not self.on or step.index != 0:
             return contextlib.nullcontext()
         self.side.wait_stream(self.main)
+        self.forked = True
         for x in reads:
             if x is not None:
                 x.record_stream(self.side)
@@ -296,9 +306,9 @@ class Beside:
 
     def join(self, step: Step) -> None:
         """After ``step``'s tiles: the ring's stream waits for step 0 if ``step`` is the one beside it."""
-        if self.at is not None and step.index == self.at:
+        if self.forked and step.index == self.at:
             self.main.wait_stream(self.side)
-            self.at = None
+            self.forked = False
 
 
 def tile_sink(tile: Tile, sink: Optional[torch.Tensor], strategy: SinkStrategy) -> Optional[torch.Tensor]:

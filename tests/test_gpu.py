@@ -427,16 +427,21 @@ def test_step_0_beside_the_next_step_matches_one_stream_and_the_reference(fa4_ke
     forward and backward: the result matches the reference and the one-stream ring's, and the
     ring's stream did join the second one at that step. A windowed tile sees only part of its
     rows, so that backward runs tile by tile (``TileRowsBackward``, whose dq adds are one after
-    the other): there only the forward's step 0 runs beside."""
+    the other): there only the forward's step 0 runs beside, where step 1 has tiles."""
     from sinkprof import ring
-    joined = []
-    join = ring.Beside.join
+    joined, armed = [], []
+    join, init = ring.Beside.join, ring.Beside.__init__
 
-    def spy(self, step):
-        if self.at is not None and step.index == self.at:
+    def spy_join(self, step):
+        if self.forked and step.index == self.at:
             joined.append(step.index)
         join(self, step)
-    monkeypatch.setattr(ring.Beside, "join", spy)
+
+    def spy_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        armed.append(self.on)
+    monkeypatch.setattr(ring.Beside, "join", spy_join)
+    monkeypatch.setattr(ring.Beside, "__init__", spy_init)
     spec = make_spec(softmax_type, mask, window, "bshd")
     x = make_inputs(Shape(b=1, s=1024 * cp, h=h, g=g, d=d), spec, seed=cp).to("cuda", torch.bfloat16)
     ref = reference(x.to("cuda", torch.float64), spec)
@@ -445,9 +450,14 @@ def test_step_0_beside_the_next_step_matches_one_stream_and_the_reference(fa4_ke
     for concurrent in (False, True):
         monkeypatch.setattr(fa4_kernel, "concurrent", concurrent)
         joined.clear()
+        armed.clear()
         got[concurrent] = emulate_ring(x, spec, cp, SinkStrategy.STEP0, kernel=fa4_kernel,
                                        kv_schedule=kind).result.named()
-        assert len(joined) == (cp * (2 if window is None else 1) if concurrent else 0), joined   # every rank
+        assert len(joined) == sum(armed), (joined, armed)   # every ring that put step 0 beside joined it
+        if window is None:   # every rank's forward and backward
+            assert sum(armed) == (2 * cp if concurrent else 0), armed
+        else:   # forwards only, where step 1 has tiles (all ranks but rank 0 at cp 4)
+            assert sum(armed) == ((cp if cp == 2 else cp - 1) if concurrent else 0), armed
     for name, want in ref.named().items():
         assert compare(got[True][name], want, tol).passed, name
         assert compare(got[True][name], got[False][name], tol).passed, name

@@ -317,9 +317,9 @@ def test_a_causal_rank_joins_its_steps_over_all_its_rows_and_over_its_second_chu
 
 
 def test_step_0_runs_beside_the_next_step_that_computes_and_only_on_cuda():
-    """``ring.Beside`` puts step 0 beside the first later step with tiles (a run's last step where
-    the forward joins steps 1..4), never beside nothing (one step, or cp = 1), and stays off on
-    the CPU."""
+    """``ring.Beside`` puts step 0 beside the next step that is not a run's member (the run's last
+    step where the forward joins steps 1..4) if it has tiles, never beside nothing (one step, cp =
+    1, or a next step with no tiles), and stays off on the CPU."""
     from sinkprof.ring import Beside, beside_join
     c = 4096
     causal = CommSchedule(KVSchedule.DIRECT, 8, c, Band(None, 0))
@@ -327,7 +327,8 @@ def test_step_0_runs_beside_the_next_step_that_computes_and_only_on_cuda():
     assert beside_join(causal.joined_plans[4].steps) == 4            # steps 1..3 are the run's members
     assert beside_join(CommSchedule(KVSchedule.DIRECT, 1, c, Band(None, 0)).plans[0].steps) is None
     assert beside_join(CommSchedule(KVSchedule.ALLGATHER, 8, c, Band(None, 0)).plans[4].steps) is None
-    window = CommSchedule(KVSchedule.RING, 4, 512, Band(-127, 0)).plans[0]
-    assert beside_join(window.steps) == min(s.index for s in window.steps[1:] if s.tiles) > 1
+    window = CommSchedule(KVSchedule.RING, 4, 512, Band(-127, 0)).plans
+    assert not window[0].steps[1].tiles and beside_join(window[0].steps) is None   # step 1 still moves dK/dV
+    assert window[1].steps[1].tiles and beside_join(window[1].steps) == 1
     cpu = Beside(causal.plans[4].steps, torch.zeros(1), on=True)
     assert not cpu.on and isinstance(cpu.stream(causal.plans[4].steps[0]), contextlib.nullcontext)
