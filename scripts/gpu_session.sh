@@ -8,7 +8,7 @@
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
-# verify14 ab14 verify15 rows15 prio15 beside16 beside16b
+# verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -415,6 +415,14 @@ if [[ $what == *" beside16 "* ]]; then   # <= 420 s: step 0 on a second stream b
   run check_fa4_beside16 ${CHECK_S:-180} $SP check --device cuda --backend fa4 --ranks 4 --comm p2p --softmax all \
       --mask all --kv-schedule all --dtype bf16 --sink-strategy all --sink-grad full --batch 1 --seq-len 4096 --heads 8 \
       --kv-heads 2 --head-dim 64 --format json --output "$OUT/check_fa4_beside16.json"
+fi
+if [[ $what == *" verify16 "* ]]; then   # <= 560 s: after the review mend (610091f), every GPU test on fa4 (packs,
+  # allgather, both layouts and dtypes: step 0 runs beside wherever fa4 runs) and graph capture, then the
+  # 4-rank fa4 check under every K/V schedule
+  run gpu_tests16v ${TESTS_S:-360} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "fa4 or beside or cuda_graph"
+  run check_fa4_verify16 ${CHECK_S:-180} $SP check --device cuda --backend fa4 --ranks 4 --comm p2p --softmax all \
+      --mask all --kv-schedule all --dtype bf16 --sink-strategy all --sink-grad full --batch 1 --seq-len 4096 --heads 8 \
+      --kv-heads 2 --head-dim 64 --format json --output "$OUT/check_fa4_verify16.json"
 fi
 if [[ $what == *" beside16b "* ]]; then   # <= 300 s: the ring with step 0 beside against the one-stream ring, both
   # against FA4 monolithic timed in the same run (BESIDE_RINGS, BESIDE_MASKS, BESIDE_S)
