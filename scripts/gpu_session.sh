@@ -417,12 +417,12 @@ if [[ $what == *" beside16 "* ]]; then   # <= 420 s: step 0 on a second stream b
       --kv-heads 2 --head-dim 64 --format json --output "$OUT/check_fa4_beside16.json"
 fi
 if [[ $what == *" verify16 "* ]]; then   # <= 560 s: after the review mend (610091f), every GPU test on fa4 (packs,
-  # allgather, both layouts and dtypes: step 0 runs beside wherever fa4 runs) and graph capture, then the
-  # 4-rank fa4 check under every K/V schedule
-  run gpu_tests16v ${TESTS_S:-360} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "fa4 or beside or cuda_graph"
+  # allgather, both layouts and dtypes: step 0 runs beside wherever fa4 runs) and graph capture, and the
+  # 4-rank fa4 check under every K/V schedule (that first: the tests may not all fit)
   run check_fa4_verify16 ${CHECK_S:-180} $SP check --device cuda --backend fa4 --ranks 4 --comm p2p --softmax all \
       --mask all --kv-schedule all --dtype bf16 --sink-strategy all --sink-grad full --batch 1 --seq-len 4096 --heads 8 \
       --kv-heads 2 --head-dim 64 --format json --output "$OUT/check_fa4_verify16.json"
+  run gpu_tests16v ${TESTS_S:-360} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "fa4 or beside or cuda_graph"
 fi
 if [[ $what == *" beside16b "* ]]; then   # <= 300 s: the ring with step 0 beside against the one-stream ring, both
   # against FA4 monolithic timed in the same run (BESIDE_RINGS, BESIDE_MASKS, BESIDE_S)
