@@ -500,6 +500,78 @@ def test_fa4_rows_backward_writes_a_tiles_dkv_into_the_views_given_and_nowhere_e
         assert (x[:, :, :around] == 7).all() and (x[:, :, around + n_kv:] == 7).all()
 
 
+@pytest.mark.parametrize("h,g,d", [(8, 8, 128), (8, 2, 64)], ids=["mha-d128", "gqa-d64"])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+@pytest.mark.parametrize("into_views", [False, True], ids=["scratch", "views"])
+def test_a_causal_tile_cut_into_pieces_matches_the_whole_tile(fa4_kernel, monkeypatch, h, g, d, layout, into_views):
+    """The rows backward runs a causal 2048 x 2048 tile of 2 x 8 heads as three pieces cut by keys on
+    three streams (``fa4_rows.causal_cuts``): dq, dK, dV and the sink gradient match the tile run
+    whole, into scratch and into views given (``dkv``) alike."""
+    from sinkprof.kernels import fa4_rows
+    from sinkprof.kernels.base import BackwardState
+    from sinkprof.options import QKVFormat
+    b, n = 2, 2048
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    fmt = QKVFormat.parse(layout, "layout")
+
+    def rand(heads):
+        shape = (b, n, heads, d) if layout == "bshd" else (n, b, heads, d)
+        return fmt.to_bhsd(torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16))
+    q, out, do, k, v = rand(h), rand(h), rand(h), rand(g), rand(g)
+    lse = torch.randn(b, h, n, generator=gen, device="cuda") + 8
+    sink = torch.randn(1, h, 1, 1, generator=gen, device="cuda") * 5
+    tiles = ring_plan(2, 0, n // 2, Band(None, 0)).backward_steps[0].tiles
+    assert len(tiles) == 1 and tiles[0].q_rows == slice(0, n) and tiles[0].kv_rows == slice(0, n)
+    cuts, model = [], fa4_rows.causal_cuts
+    monkeypatch.setattr(fa4_rows, "causal_cuts", lambda *a: cuts.append(model(*a)) or cuts[-1])
+    got = {}
+    for split in (False, True):
+        monkeypatch.setattr(fa4_kernel, "causal_pieces", split)
+        state = BackwardState(q, out, do, lse, rand(h))
+        rows_bwd = fa4_kernel.rows_backward(state, scale=d ** -0.5, tiles=tiles, biased=False)
+        assert isinstance(rows_bwd, fa4_rows.FA4RowsBackward)
+        dkv = (rand(g), rand(g)) if into_views else None
+        part = rows_bwd.tile(slice(0, n), k, v, Band(None, 0), sink, None, first=True, dkv=dkv)
+        rows_bwd.finish()
+        dk, dv = dkv if into_views else (part.dk, part.dv)
+        got[split] = [state.dq.clone(), dk.clone(), dv.clone(), part.d_sink.clone()]
+    assert cuts == [(1024, 1536)], cuts   # the model cut the tile (not asked when split is off)
+    exact = dict(rtol=0, atol=0) if g == h else {}   # dq (and dK/dV under GQA) sum with atomics, in any order
+    torch.testing.assert_close(got[True][0], got[False][0])
+    for x, y in zip(got[True][1:3], got[False][1:3]):
+        torch.testing.assert_close(x, y, **exact)
+    torch.testing.assert_close(got[True][3], got[False][3], rtol=0, atol=0)
+    assert got[True][1].abs().sum() > 0 and got[True][0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["ring", "direct"])
+@pytest.mark.parametrize("softmax_type", ["vanilla", "learnable"])
+@pytest.mark.parametrize("h,g,d", [(16, 16, 128), (16, 4, 64)], ids=["mha-d128", "gqa-d64"])
+def test_a_ring_whose_step_0_runs_in_pieces_matches_the_reference(fa4_kernel, monkeypatch, kind, softmax_type,
+                                                                   h, g, d):
+    """At cp 2 with 2048 rows a rank and 16 heads every rank's step 0 backward runs in three pieces
+    (beside step 1): the ring matches the reference and the ring with its causal tiles whole."""
+    from sinkprof.kernels import fa4_rows
+    cut = []
+    helpers = fa4_rows.FA4RowsBackward._helpers
+    monkeypatch.setattr(fa4_rows.FA4RowsBackward, "_helpers",
+                        lambda self, stream, count: cut.append(count) or helpers(self, stream, count))
+    cp = 2
+    spec = make_spec(softmax_type, "causal", None, "bshd")
+    x = make_inputs(Shape(b=1, s=2048 * cp, h=h, g=g, d=d), spec, seed=3).to("cuda", torch.bfloat16)
+    ref = reference(x.to("cuda", torch.float64), spec)
+    tol = tolerance_for(torch.bfloat16, gqa=g < h)
+    got = {}
+    for split in (False, True):
+        monkeypatch.setattr(fa4_kernel, "causal_pieces", split)
+        cut.clear()
+        got[split] = emulate_ring(x, spec, cp, SinkStrategy.STEP0, kernel=fa4_kernel, kv_schedule=kind).result.named()
+        assert sorted(cut) == ([0] * cp + [2] * cp if split else [0] * 2 * cp), cut   # step 0 in three pieces
+    for name, want in ref.named().items():
+        assert compare(got[True][name], want, tol).passed, name
+        assert compare(got[True][name], got[False][name], tol).passed, name
+
+
 @pytest.mark.parametrize("home", [torch.float32, torch.bfloat16], ids=["fp32-home", "bf16-home-in-place"])
 @pytest.mark.parametrize("layout,b,g,d", [("bshd", 2, 3, 40), ("sbhd", 2, 3, 40), ("sbhd", 4, 8, 160)],
                          ids=["bshd", "sbhd", "sbhd-two-column-blocks"])

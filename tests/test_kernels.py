@@ -179,6 +179,30 @@ def test_the_fa4_rows_backward_takes_block_aligned_whole_tiles_only():
     assert {(t.q_rows.start, t.q_rows.stop) for t in no_mask} == {(0, 640)}
 
 
+def test_the_dispatch_model_of_a_causal_backward_and_the_cuts_it_picks():
+    """``fa4_rows.predicted_time`` lists FA4's programs head after head on the SMs; a tile whose
+    last head's longest programs start late is cut, one that fits the SMs at once or has the heads
+    to even out is not."""
+    from sinkprof.kernels import fa4_rows
+    cost = fa4_rows.PROGRAM_COST
+    # 2 key blocks of 128, rows in blocks of 64: the first program loops over 4 row blocks, the second over 2
+    assert fa4_rows.predicted_time(256, (), 1, 128, 64, 4) == 4 + cost
+    assert fa4_rows.predicted_time(256, (), 3, 128, 64, 1) == 3 * (4 + 2 + 2 * cost)   # one SM: the sum
+    assert fa4_rows.predicted_time(256, (128,), 1, 128, 64, 4) == 4 + cost   # the pieces' programs are the tile's
+    # 16 heads of 64 key blocks on 132 SMs: head 15's longest programs start after 15/16 of the work
+    one = fa4_rows.predicted_time(8192, (), 16, 128, 64, 132)
+    work = 16 * sum(128 - 2 * j + cost for j in range(64))
+    assert work / 132 < one < 1.2 * work / 132
+    cut = fa4_rows.causal_cuts(8192, 16, 128, 64, 132)
+    assert cut == (4096, 6144)
+    assert fa4_rows.predicted_time(8192, cut, 16, 128, 64, 132) < 0.95 * one
+    assert fa4_rows.causal_cuts(1024, 8, 128, 64, 132) == ()    # 64 programs: all on the SMs at once
+    assert fa4_rows.causal_cuts(16384, 16, 128, 64, 132) == ()  # 128 blocks a head: the heads even out
+    assert fa4_rows.causal_cuts(8192, 64, 128, 128, 132) == (4096, 6144)   # gpt-oss: 64 heads, 1.8% less
+    assert fa4_rows.causal_cuts(16384, 64, 128, 128, 132) == ()
+    assert all(c % 384 == 0 for c in fa4_rows.causal_cuts(6144, 16, 128, 96, 132))   # on blocks of both sizes
+
+
 def test_fa4_varlen_index_tensors_are_made_once_per_group_and_only_the_latest_kept(monkeypatch):
     """A group's cu_seqlens and seqused are made once (a warm ring is graph-capturable), hold where
     each tile starts and how many rows it has, and packs that change every batch do not grow the

@@ -110,6 +110,7 @@ class FA4Tiles(TileByTile):
     sink_strategy = SinkStrategy.STEP0      # the faster one here (docs/benchmarks.md)
     rows_path = True                        # False: every backward tile through _flash_attn_bwd (for comparisons)
     concurrent = True                       # a call's scratch is its own (the bias fallback never runs beside)
+    causal_pieces = True                    # the rows backward may cut a causal tile into pieces (fa4_rows.causal_cuts)
 
     def __init__(self, device_index: int):
         self.device = torch.device("cuda", device_index)
@@ -195,7 +196,7 @@ class FA4Tiles(TileByTile):
             return TileRowsBackward(self, state, scale, single=one_tile_per_row(tiles))
         return fa4_rows.FA4RowsBackward(_fa4, state, scale, cfg,
                                         kv_rows=max(t.kv_rows.stop - t.kv_rows.start for t in tiles),
-                                        window=fa4_window, quiet=_program_name_only)
+                                        window=fa4_window, quiet=_program_name_only, split=self.causal_pieces)
 
     def _rows_refusal(self, state: BackwardState, biased: bool) -> Optional[str]:
         if not self.rows_path:

@@ -19,6 +19,15 @@ any tile is masked, else its configuration for unmasked ones.
 A tile whose dK/dV the ring writes rather than adds (every key row from one tile: a direct step's
 part, kept in q's dtype) has FA4 write them there itself, with no scratch and no copy.
 
+A causal ``n x n`` tile (a zigzag rank's step 0) may run as pieces cut by keys, on streams of their
+own, longest first (``causal_cuts``). FA4's sm90 backward runs a program per block of keys that loops
+over the rows that see it; its grid dispatches them head after head, each head's longest first, so
+the last heads' longest programs start late and end alone: with few heads a single call ends in a
+tail of idle SMs. The pieces are issued in order, the first (the longest programs of every head) on
+the tile's stream, the others on helper streams, so the later pieces' short programs fill the first
+one's tail. Their dq goes into the one accumulator through FA4's atomic adds; their keys, and so
+their dK/dV, are disjoint.
+
 ``FA4Tiles.rows_backward`` takes this path when every tile qualifies (``unqualified``: rows on block
 boundaries, every row and key of the tile visible, no bias, bf16/fp16) and the per-tile path
 otherwise. The main kernel is compiled here as FA4's interface compiles it for sm90 (no varlen, not
@@ -28,6 +37,9 @@ and on the FA4 versions in ``VERSIONS``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
+import math
 from typing import Optional
 
 import torch
@@ -47,8 +59,50 @@ def unavailable_reason(fa4_version: Optional[str], device) -> Optional[str]:
     return None
 
 
+PROGRAM_COST = 2   # a program's fixed work (loading its keys, writing dK/dV), in blocks of rows
+SPLIT_GAIN = 0.01  # more pieces are taken when the model gives them this much less time than fewer
+
+
 def _round_up(x: int, to: int) -> int:
     return (x + to - 1) // to * to
+
+
+def predicted_time(n: int, cuts: tuple, programs: int, tile_n: int, tile_m: int, sms: int) -> float:
+    """The time, in blocks of rows, of the backward of a causal ``n x n`` tile run as pieces cut by
+    keys at ``cuts`` (module docstring), on ``sms`` SMs holding one program each: FA4's grid of
+    ``programs`` (batch x heads) times blocks of ``tile_n`` keys is dispatched in order, piece after
+    piece, each program to the SM that frees first; the program of key block ``j`` in a piece
+    starting at key ``k0`` loops over its rows' blocks of ``tile_m`` from key ``j``'s row to the
+    last."""
+    free = [0.0] * sms
+    end = 0.0
+    bounds = (0, *cuts, n)
+    for k0, k1 in zip(bounds, bounds[1:]):
+        last = -(-(n - k0) // tile_m)
+        lengths = [last - (j * tile_n - k0) // tile_m + PROGRAM_COST for j in range(k0 // tile_n, -(-k1 // tile_n))]
+        for _ in range(programs):
+            for length in lengths:
+                t = heapq.heappop(free) + length
+                end = max(end, t)
+                heapq.heappush(free, t)
+    return end
+
+
+@functools.lru_cache(maxsize=256)
+def causal_cuts(n: int, programs: int, tile_n: int, tile_m: int, sms: int) -> tuple:
+    """The keys at which a causal ``n x n`` tile's backward is cut into pieces (module docstring):
+    none, at half, or at a half and three quarters (on blocks of both sizes), whichever
+    ``predicted_time`` gives the least, more pieces only for ``SPLIT_GAIN`` less time than fewer."""
+    unit = math.lcm(tile_n, tile_m)
+    best, best_t = (), predicted_time(n, (), programs, tile_n, tile_m, sms)
+    for cuts in ((n // 2,), (n // 2, 3 * n // 4)):
+        cuts = tuple(c // unit * unit for c in cuts)
+        if len(set(cuts)) != len(cuts) or not all(0 < c < n for c in cuts):
+            break
+        t = predicted_time(n, cuts, programs, tile_n, tile_m, sms)
+        if t < best_t * (1 - SPLIT_GAIN):
+            best, best_t = cuts, t
+    return best
 
 
 def _bshd(x: torch.Tensor) -> torch.Tensor:
@@ -93,10 +147,12 @@ class FA4RowsBackward:
 
     concurrent = True
 
-    def __init__(self, interface, state: BackwardState, scale: float, cfg, *, kv_rows: int, window, quiet):
+    def __init__(self, interface, state: BackwardState, scale: float, cfg, *, kv_rows: int, window, quiet,
+                 split: bool = True):
         """``interface``: ``flash_attn.cute.interface``; ``kv_rows``: the largest tile's keys;
         ``window``: a trimmed band as FA4's ``(causal, left, right)``; ``quiet``: the context that
-        hides the command line from the CuTe DSL (``fa4.py``)."""
+        hides the command line from the CuTe DSL (``fa4.py``); ``split``: whether a causal tile may
+        run as pieces (``causal_cuts``)."""
         fa4 = self.fa4 = interface
         self.state, self.scale, self.cfg, self.kv_rows = state, scale, cfg, kv_rows
         self._window, self._quiet = window, quiet
@@ -118,6 +174,9 @@ class FA4RowsBackward:
         self.cute_dtype = fa4.torch2cute_dtype_map[q.dtype]
         self.arch = fa4._get_device_arch()
         self._kv_scratch: dict = {}   # a stream -> its dK/dV scratch
+        self._helper_streams: dict = {}   # a stream -> the helper streams of its tiles' pieces
+        self.split = split
+        self.sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         with self._quiet():
             fa4._bwd_preprocess(fa4.maybe_contiguous(_bshd(state.out)), self.dout, self.dpsum,
                                 fa4.maybe_contiguous(state.lse), self.lse_log2, self.dq_accum, None, None, None,
@@ -156,28 +215,29 @@ class FA4RowsBackward:
         fa4, cfg = self.fa4, self.cfg
         direct = _writable(dkv, self.dtype)
         n_q, n_kv = rows.stop - rows.start, k.shape[2]
-        causal, left, right = self._window(trim_band(band, n_q, n_kv)[2], n_q, n_kv)
-        causal, local, left, right = fa4._resolve_causal_local_window(causal, left, right)
-        q_rounded = _round_up(n_q, self.block)
-        at = rows.start
-        lse_log2 = self.lse_log2[:, :, at:at + q_rounded]
-        dpsum = self.dpsum[:, :, at:at + q_rounded]
-        dq_accum = self.dq_accum[:, :, at * self.d_rounded:(at + q_rounded) * self.d_rounded]
-        q, dout = self.q[:, rows], self.dout[:, rows]
+        band = trim_band(band, n_q, n_kv)[2]
         k, v = fa4.maybe_contiguous(_bshd(k)), fa4.maybe_contiguous(_bshd(v))
         dk, dv, dk_accum, dv_accum = self._scratch(_bshd(k), _bshd(v), dkv if direct else None)
-        gqa = dk_accum is not None
-        args = [q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk, dv_accum if gqa else dv]
-        key = ("rows_bwd", str(self.dtype), q.shape[-1], v.shape[-1], q.shape[2] // k.shape[2], causal, local,
-               left is not None, right is not None, dataclasses.astuple(cfg),
-               q_rounded // self.block == 1, _round_up(n_kv, cfg.n_block_size) // cfg.n_block_size == 1)
-        compiled = _compiled_kernels(fa4)
-        if key not in compiled:
-            with self._quiet():
-                compiled[key] = self._compile(args, causal, local, left, right)
-        compiled[key](*[t.detach() for t in args[:4]], *args[4:], self.scale, None, None, None, None, left, right,
-                      None, None, None, fa4.AuxData(None, None), None, None)
-        if gqa:
+        causal, _, _ = self._window(band, n_q, n_kv)
+        cuts = ()
+        if self.split and causal and n_q == n_kv:
+            b, h = self.q.shape[0], self.q.shape[2]
+            cuts = causal_cuts(n_q, b * h, cfg.n_block_size, self.block, self.sms)
+        bounds = (0, *cuts, n_kv)
+        here = torch.cuda.current_stream(k.device)
+        helpers = self._helpers(here, len(cuts))
+        for helper in helpers:   # before the first piece is issued: the pieces run side by side
+            helper.wait_stream(here)
+        for stream, k0, k1 in zip((here, *helpers), bounds, bounds[1:]):
+            # a piece: the keys [k0, k1) and the rows from k0 on (the first that see them when the tile is cut)
+            accum = [None if x is None else x[:, :, k0 * width:_round_up(k1, cfg.n_block_size) * width]
+                     for x, width in ((dk_accum, self.d_rounded), (dv_accum, self.dv_rounded))]
+            with torch.cuda.stream(stream):
+                self._main(slice(rows.start + k0, rows.stop), k[:, k0:k1], v[:, k0:k1], band,
+                           dk[:, k0:k1], dv[:, k0:k1], *accum)
+        for helper in helpers:
+            here.wait_stream(helper)
+        if dk_accum is not None:
             post = dict(use_2cta_instrs=False, cluster_size=1, hdim_multiple_of=self.hdim_multiple_of,
                         accum_order=None, fake_mode=False)
             threads = cfg.num_wg * 128
@@ -189,11 +249,46 @@ class FA4RowsBackward:
         d_sink = None
         if sink is not None:   # -sum over the rows of exp(a - lse) * D, per head
             lse = self.state.lse[:, :, rows]
-            d_sink = -(torch.exp(sink.reshape(1, -1, 1).float() - lse) * self.dpsum[:, :, at:rows.stop]).sum((0, 2))
+            d_sink = -(torch.exp(sink.reshape(1, -1, 1).float() - lse) * self.dpsum[:, :, rows.start:rows.stop]).sum((0, 2))
             d_sink = d_sink.reshape(sink.shape).to(sink.dtype)
         if direct:
             return TileGrads(None, None, None, d_sink, None)
         return TileGrads(None, _bshd(dk), _bshd(dv), d_sink, None)
+
+    def _helpers(self, stream: torch.cuda.Stream, count: int) -> list:
+        """``count`` helper streams of ``stream`` for a tile's later pieces, made once, at its
+        priority (one set a stream: two rings capturing on streams of their own never share one)."""
+        key = (stream.device, stream.cuda_stream)
+        have = self._helper_streams.setdefault(key, [])
+        while len(have) < count:
+            have.append(torch.cuda.Stream(stream.device, priority=stream.priority))
+        return have[:count]
+
+    def _main(self, rows: slice, k, v, band, dk, dv, dk_accum, dv_accum) -> None:
+        """FA4's main kernel over ``rows`` of the rank's rows and the keys ``k``, ``v`` (``[b, n, g,
+        d]``), adding dq into the accumulator and writing dK/dV (under GQA: adding into their fp32
+        accumulators) on the current stream."""
+        fa4, cfg = self.fa4, self.cfg
+        n_q, n_kv = rows.stop - rows.start, k.shape[1]
+        causal, left, right = self._window(trim_band(band, n_q, n_kv)[2], n_q, n_kv)
+        causal, local, left, right = fa4._resolve_causal_local_window(causal, left, right)
+        q_rounded = _round_up(n_q, self.block)
+        at = rows.start
+        lse_log2 = self.lse_log2[:, :, at:at + q_rounded]
+        dpsum = self.dpsum[:, :, at:at + q_rounded]
+        dq_accum = self.dq_accum[:, :, at * self.d_rounded:(at + q_rounded) * self.d_rounded]
+        q, dout = self.q[:, rows], self.dout[:, rows]
+        gqa = dk_accum is not None
+        args = [q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum if gqa else dk, dv_accum if gqa else dv]
+        key = ("rows_bwd", str(self.dtype), q.shape[-1], v.shape[-1], q.shape[2] // k.shape[2], causal, local,
+               left is not None, right is not None, dataclasses.astuple(cfg),
+               q_rounded // self.block == 1, _round_up(n_kv, cfg.n_block_size) // cfg.n_block_size == 1)
+        compiled = _compiled_kernels(fa4)
+        if key not in compiled:
+            with self._quiet():
+                compiled[key] = self._compile(args, causal, local, left, right)
+        compiled[key](*[t.detach() for t in args[:4]], *args[4:], self.scale, None, None, None, None, left, right,
+                      None, None, None, fa4.AuxData(None, None), None, None)
 
     def group(self, rows, k, v, cols, bands, sink, *, first: bool, dkv=None) -> TileGrads:
         """Tile after tile; each tile's dK/dV written into ``dkv`` (when in q's dtype) or into fp32
