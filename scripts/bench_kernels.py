@@ -424,19 +424,27 @@ def _timed(fns: dict, calls: int = 2, rounds: int = 15) -> tuple[dict, str]:
         return interleaved_ms(fns, calls, rounds, graphed=False), "eager"
 
 
-def _streams(fn: Callable, kernel, concurrent: bool) -> Callable:
-    """``fn`` with ``kernel``'s step 0 beside the next step (``ring.Beside``) where ``concurrent``
-    and the backend allows it, else on the ring's one stream: set at each call (a capture takes
-    what is set then), as the variants of one kernel run interleaved."""
+CONTROLS = {   # a control variant of vanilla step0 -> the kernel settings it turns off
+    "one-stream": ("concurrent",),       # every step on the ring's one stream (no ring.Beside)
+    "whole-causal": ("causal_pieces",),  # the rows backward runs a causal tile whole (no fa4_rows.causal_cuts)
+}
+
+
+def _configured(fn: Callable, kernel, off: tuple = ()) -> Callable:
+    """``fn`` with the kernel's settings of ``CONTROLS`` as its class has them, less those named in
+    ``off``: set at each call (a capture takes what is set then), as the variants of one kernel run
+    interleaved."""
     def call():
-        kernel.concurrent = concurrent and type(kernel).concurrent
+        for flag in {f for fs in CONTROLS.values() for f in fs}:
+            if hasattr(type(kernel), flag):
+                setattr(kernel, flag, getattr(type(kernel), flag) and flag not in off)
         fn()
     return call
 
 
 def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sink, mask: str, d: int,
                  profile: Optional[str] = None, cu_seqlens=None, mono: Optional[dict] = None,
-                 one_stream: bool = False) -> list:
+                 controls: tuple = ()) -> list:
     """Per name (a backend; ``fa4-per-tile``: FA4 with its backward tile by tile; a backend and
     ``+comm``: the ring's own code over a ``Loopback`` communicator) and variant of ``RUNS``: the
     slowest (forward + backward) of ``ranks``, each running its whole schedule, the variants
@@ -445,12 +453,13 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
     step0 ring under this title. ``cu_seqlens``: a pack's boundaries. ``mono``: the monolithic
     calls (name -> function), interleaved with each rank's variants, so that a row's ratio to
     them comes from one run (``with_rates``: the row's ``mono_ms``); the machine drifts by up to
-    10% between runs. ``one_stream``: also vanilla step0 with every step on one stream (``vanilla
-    step0 one-stream``), against the variants' step 0 beside the next step where the backend
-    allows it."""
+    10% between runs. ``controls``: names of ``CONTROLS``, each also timed as vanilla step0 with
+    those settings off (``vanilla step0 one-stream``: every step on one stream; ``vanilla step0
+    whole-causal``: causal tiles' backward whole), against the variants, which have them on where
+    the backend allows it."""
     cp = schedule.cp
-    runs = [(softmax, strategy, True) for softmax, strategy in RUNS] + (
-        [("vanilla", SinkStrategy.STEP0, False)] if one_stream else [])
+    runs = [(softmax, strategy, "") for softmax, strategy in RUNS] + [
+        ("vanilla", SinkStrategy.STEP0, control) for control in controls]
     rows = []
     for name in names:
         kernel = get_kernel(name.removesuffix("-per-tile").removesuffix("+comm"), ks[0].device)
@@ -460,8 +469,8 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
             qh, dol = shards(rank)
             flops = rank_flops(plan, qh.shape[0], qh.shape[1], d)
             fns, host = {}, {}
-            for softmax, strategy, beside in runs:
-                variant = f"{softmax} {strategy.value}" + ("" if beside else " one-stream")
+            for softmax, strategy, control in runs:
+                variant = f"{softmax} {strategy.value} {control}".rstrip()
                 if name.endswith("+comm"):
                     ring = _comm_ring_fns(kernel, schedule, rank,
                                           *(x.transpose(1, 2) for x in (qh, ks[rank], vs[rank], dol)),
@@ -469,16 +478,17 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
                 else:
                     ring = _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d,
                                      rows_path=not name.endswith("-per-tile"))
-                ring = dataclasses.replace(ring, fwd=_streams(ring.fwd, kernel, beside),
-                                           bwd=_streams(ring.bwd, kernel, beside))
+                off = CONTROLS.get(control, ())
+                ring = dataclasses.replace(ring, fwd=_configured(ring.fwd, kernel, off),
+                                           bwd=_configured(ring.bwd, kernel, off))
                 ring.fwd(), ring.bwd()
                 host[variant] = (host_us(ring.fwd) + host_us(ring.bwd)) / (2 * len(plan.steps))
                 fns[variant + " fwd"], fns[variant + " bwd"] = ring.fwd, ring.bwd
                 if profile and (softmax, strategy) == RUNS[1]:
                     _profile_step(f"{name} {profile} rank {rank} {variant}", ring.fwd, ring.bwd)
             timed, timing = _timed(fns | {f"mono {n}": fn for n, fn in (mono or {}).items()})
-            for softmax, strategy, beside in runs:
-                variant = f"{softmax} {strategy.value}" + ("" if beside else " one-stream")
+            for softmax, strategy, control in runs:
+                variant = f"{softmax} {strategy.value} {control}".rstrip()
                 row = dict(backend=name, kv_schedule=schedule.kind.value, layout=schedule.layout.kind.value, cp=cp,
                            mask=mask, variant=variant,
                            rank=rank, flops=flops,
@@ -515,10 +525,10 @@ def with_rates(rows: list, total: int, mono_ms: dict, mono: str = "fa4") -> list
 
 
 def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, kinds=(KVSchedule.DIRECT,),
-               one_stream: bool = False) -> dict:
+               controls: tuple = ()) -> dict:
     """The slowest of ranks 0, cp/2, cp-1 per backend, variant and K/V schedule (``kinds``),
     against FA4 monolithic; ``names``: backends, and ``fa4-per-tile`` (FA4 with its backward tile
-    by tile); ``one_stream``: ``slowest_rank``'s."""
+    by tile); ``controls``: ``slowest_rank``'s."""
     s = s_rank * cp
     gen = torch.Generator(device="cuda").manual_seed(1)
     q, do = _rand(gen, b, s, h, d), _rand(gen, b, s, h, d)
@@ -557,7 +567,7 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
     for kind, schedule in schedules.items():
         rows += slowest_rank(names, schedule, ranks, shards, ks, vs, sink, mask, d,
                              profile=f"cp={cp} {mask} {kind.value}" if profile else None, mono=whole,
-                             one_stream=one_stream)
+                             controls=controls)
     rows = with_rates(rows, total, mono_ms)
     if calls:
         rows = with_standalone_calls(rows, calls, total, mono_ms)
@@ -841,6 +851,9 @@ def parse_args(argv=None):
     ap.add_argument("--one-stream-too", action="store_true",
                     help="the ring benchmarks also time vanilla step0 with every step on one stream ('vanilla step0 "
                          "one-stream'), beside the variants' step 0 on a second stream where the backend allows it")
+    ap.add_argument("--whole-causal-too", action="store_true",
+                    help="the ring benchmarks also time vanilla step0 with its causal tiles' backward run whole "
+                         "('vanilla step0 whole-causal'), beside the variants' cut into pieces where the backend does")
     ap.add_argument("--skip-tiles", action="store_true")
     ap.add_argument("--profile-step", action="store_true", help="print the kernels of one warm ring per config "
                     "and timed rank (learnable step0), by total time and one by one")
@@ -857,6 +870,11 @@ def parse_args(argv=None):
     except ValueError as exc:
         ap.error(str(exc))
     return args
+
+
+def controls(args) -> tuple:
+    """The control variants (``CONTROLS``) the flags ask for."""
+    return tuple(c for c, on in (("one-stream", args.one_stream_too), ("whole-causal", args.whole_causal_too)) if on)
 
 
 def main() -> None:
@@ -889,7 +907,7 @@ def main() -> None:
         for cp in cps:
             for mask in args.masks.split(","):
                 r = ring_bench(cp, 1, h, g, args.s_rank, d, mask, args.profile_step, ring_names, args.kinds,
-                               args.one_stream_too)
+                               controls(args))
                 report["rings"].append(r | {"config": name})
                 print(f"\n## ring {name} cp={cp} s={r['shape']['s']} {mask}: slowest rank's schedule, TFLOP/s "
                       "(and against FA4 monolithic)")

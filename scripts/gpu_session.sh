@@ -8,7 +8,7 @@
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
-# verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16
+# verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -428,6 +428,39 @@ if [[ $what == *" beside16b "* ]]; then   # <= 300 s: the ring with step 0 besid
   # against FA4 monolithic timed in the same run (BESIDE_RINGS, BESIDE_MASKS, BESIDE_S)
   run ring_beside16 ${BESIDE_S:-280} python3 scripts/bench_kernels.py --skip-tiles --rings "${BESIDE_RINGS:-h16-d128:2,4,8}" \
       --masks "${BESIDE_MASKS:-causal}" --ring-backends fa4+comm --one-stream-too --out "$OUT/ring_beside16.json"
+fi
+if [[ $what == *" pieces17 "* ]]; then   # <= 560 s: a causal tile's backward cut by keys into pieces on streams of
+  # their own (fa4_rows.causal_cuts): the tile alone whole and cut against the model, the GPU tests that
+  # run the pieces, then the ring against its causal tiles whole, in one interleaved run (PIECES_RINGS)
+  run pieces_probe17 ${PROBE_S:-200} python3 scripts/pieces_probe.py --n 4096,8192,16384 --shapes h16-d128,gpt-oss
+  run gpu_tests17 ${TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "pieces"
+  run ring_pieces17 ${RING_S:-170} python3 scripts/bench_kernels.py --skip-tiles --rings "${PIECES_RINGS:-h16-d128:2,4,8}" \
+      --masks causal --ring-backends fa4+comm --whole-causal-too --out "$OUT/ring_pieces17.json"
+fi
+if [[ $what == *" verify17 "* ]]; then   # <= 580 s: sinkprof check on fa4 at 2 and 4 ranks over p2p, a2a and a2a+p2p
+  # (step 0 beside the next step, and at 2 ranks with 16 heads of 8k rows its backward in pieces), then the
+  # GPU tests on fa4 as far as the time goes
+  run check_fa4_cp2_17 ${CHECK2_S:-150} $SP check --device cuda --backend fa4 --ranks 2 --comm p2p,a2a,a2a+p2p \
+      --softmax all --mask all --dtype bf16,fp16 --sink-strategy all --sink-grad all --batch 1 --seq-len 8192 --heads 16 \
+      --kv-heads 4 --head-dim 64 --format json --output "$OUT/check_fa4_cp2_17.json"
+  run check_fa4_cp4_17 ${CHECK4_S:-200} $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a,a2a+p2p \
+      --softmax all --mask all --dtype bf16,fp16 --sink-strategy all --sink-grad all --batch 2 --seq-len 2048 --heads 8 \
+      --kv-heads 4 --head-dim 64 --format json --output "$OUT/check_fa4_cp4_17.json"
+  run check_fa4_window17 ${WINDOW_S:-120} $SP check --device cuda --backend fa4 --ranks 4 --comm p2p,a2a+p2p --softmax all \
+      --mask causal --window 127,0 --kv-schedule all --dtype bf16 --sink-strategy all --sink-grad full --batch 2 \
+      --seq-len 2048 --heads 8 --kv-heads 4 --head-dim 64 --format json --output "$OUT/check_fa4_window17.json"
+  run gpu_tests17v ${TESTS_S:-100} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "fa4 and not pieces"
+fi
+if [[ $what == *" verify17b "* ]]; then   # <= 500 s: verify17's checks cut to fit (they ran out of time there): the
+  # pieces' GPU tests, then at 2 ranks (16 heads of 8k rows: step 0 and a2a's one tile in pieces) p2p and
+  # a2a, and at 4 ranks a2a and a2a+p2p (p2p ran under every K/V schedule in verify16)
+  run gpu_tests17b ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "pieces"
+  run check_fa4_cp2_17b ${CHECK2_S:-170} $SP check --device cuda --backend fa4 --ranks 2 --comm p2p,a2a \
+      --softmax all --mask causal --dtype bf16 --sink-strategy all --sink-grad full --batch 1 --seq-len 8192 --heads 16 \
+      --kv-heads 4 --head-dim 64 --format json --output "$OUT/check_fa4_cp2_17b.json"
+  run check_fa4_cp4_17b ${CHECK4_S:-190} $SP check --device cuda --backend fa4 --ranks 4 --comm a2a,a2a+p2p \
+      --softmax all --mask all --dtype bf16,fp16 --sink-strategy all --sink-grad full --batch 2 --seq-len 2048 --heads 8 \
+      --kv-heads 4 --head-dim 64 --format json --output "$OUT/check_fa4_cp4_17b.json"
 fi
 if [[ $what == *" prof12 "* ]]; then   # <= 420 s: where the forward's time goes at cp 2 and 4 (the ring's own code
   # against its calls standalone: 0.91-0.92 against 0.97-0.98 in rings12), then issue 15's pack honestly fed
