@@ -23,7 +23,7 @@ from typing import Optional, Protocol
 import torch
 
 from . import faults, profiling
-from .kernels.base import BackwardState, add_rows_
+from .kernels.base import BackwardState, add_rows_, side_streams
 from .options import CPOptions, KVSchedule, SinkStrategy, accum_dtype
 from .plan import RankPlan, Step, Tile, rows_in, spec_layout
 from .schedule import CommSchedule, comm_schedule, row_bytes
@@ -234,18 +234,6 @@ class BiasTiles:
         self.grad[:, :, rows[:, None], cols[None, :]] += grad
 
 
-_SIDE_STREAMS: dict = {}   # (device, a stream) -> the stream its ring runs step 0 on
-
-
-def _side_stream(main: torch.cuda.Stream) -> torch.cuda.Stream:
-    """The second stream of the ring running on ``main``: one per stream (two threads capturing
-    rings on streams of their own never share one), at ``main``'s priority."""
-    key = (main.device, main.cuda_stream)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(main.device, priority=main.priority)
-    return _SIDE_STREAMS[key]
-
-
 def beside_join(steps) -> Optional[int]:
     """The step beside which step 0 runs: the next step that is not a member of a run (members
     only receive messages; their run's last step computes them, ``Step.joins``), if it has tiles.
@@ -281,7 +269,7 @@ class Beside:
         self.forked = False   # step 0 was issued on the second stream, which the ring's has not joined yet
         if self.on:
             self.main = torch.cuda.current_stream(like.device)
-            self.side = _side_stream(self.main)
+            self.side = side_streams(self.main, 1, "beside")[0]
 
     def __enter__(self) -> "Beside":
         return self

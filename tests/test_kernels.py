@@ -179,6 +179,36 @@ def test_the_fa4_rows_backward_takes_block_aligned_whole_tiles_only():
     assert {(t.q_rows.start, t.q_rows.stop) for t in no_mask} == {(0, 640)}
 
 
+def test_side_streams_are_made_once_and_never_a_stream_in_use(monkeypatch):
+    """torch hands streams out of a pool in turn (here one of 12): the streams run beside a stream
+    are made once per stream and purpose, and are neither that stream nor one handed out for
+    anything else, even when the pool comes round to them; a stream handed out that later asks
+    for streams of its own (a capture's) gets others."""
+    from sinkprof.kernels import base
+    made = []
+
+    class PoolStream:   # torch.cuda.Stream as torch makes it: the next of the pool's streams
+        def __init__(self, device, priority=0):
+            self.device, self.priority = device, priority
+            self.cuda_stream = 100 + len(made) % 12
+            made.append(self)
+    monkeypatch.setattr(torch.cuda, "Stream", PoolStream)
+    monkeypatch.setattr(base, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(base, "_HANDED", set())
+    handles = lambda streams: [x.cuda_stream for x in streams]
+    main = PoolStream("cuda:0")   # the ring's stream: pool stream 100
+    side = base.side_streams(main, 1, "beside")
+    pieces = base.side_streams(main, 2, "pieces")
+    assert handles(side + pieces) == [101, 102, 103] and len(made) == 4
+    assert base.side_streams(main, 2, "pieces") == pieces and len(made) == 4   # made once
+    assert base.side_streams(main, 1, "pieces") == pieces[:1]
+    assert handles(base.side_streams(side[0], 2, "pieces")) == [104, 105]   # Beside's stream cutting step 0
+    assert handles(base.side_streams(pieces[0], 1, "beside")) == [106]      # a stream handed out, now a caller
+    other = [PoolStream("cuda:0") for _ in range(5)]   # 107-111: another ring's stream and others
+    assert handles(base.side_streams(other[0], 1, "beside")) == [108]   # the pool came round: 100-107 drawn past
+    assert len(made) == 12 + 9
+
+
 def test_the_dispatch_model_of_a_causal_backward_and_the_cuts_it_picks():
     """``fa4_rows.predicted_time`` lists FA4's programs head after head on the SMs; a tile whose
     last head's longest programs start late is cut, one that fits the SMs at once or has the heads

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import threading
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -214,6 +215,34 @@ def optional_module(name: str):
 
 class BackendUnavailable(RuntimeError):
     """The requested tile backend cannot run here; the message says why."""
+
+
+POOL_DRAWS = 64   # torch hands out streams from a pool of 32 a priority, in turn
+_SIDE_STREAMS: dict = {}   # (device, a stream's handle, purpose) -> the streams handed out to run beside it
+_HANDED: set = set()       # (device, handle) of every stream handed out here, or asked about
+_SIDE_LOCK = threading.Lock()
+
+
+def side_streams(stream: torch.cuda.Stream, count: int, purpose: str) -> list:
+    """``count`` streams to run work beside ``stream`` (``purpose``: ``"beside"`` for a ring's step
+    0, ``"pieces"`` for a tile's pieces), made once, at ``stream``'s priority, and none of them
+    ``stream`` itself or a stream handed out here for anything else: torch makes streams by handing
+    out those of a pool in turn, so a new one may be a stream already running other work (a ring's
+    own, or a capture's), with which it would silently run in series; those are drawn past. Two
+    threads capturing on streams of their own never share one."""
+    dev = stream.device
+    with _SIDE_LOCK:
+        _HANDED.add((dev, stream.cuda_stream))
+        have = _SIDE_STREAMS.setdefault((dev, stream.cuda_stream, purpose), [])
+        have[:] = [s for s in have if s.cuda_stream != stream.cuda_stream]   # handed out once, the caller's now
+        while len(have) < count:
+            for _ in range(POOL_DRAWS):
+                new = torch.cuda.Stream(dev, priority=stream.priority)
+                if (dev, new.cuda_stream) not in _HANDED:
+                    break
+            _HANDED.add((dev, new.cuda_stream))
+            have.append(new)
+        return have[:count]
 
 
 @functools.lru_cache(maxsize=4096)

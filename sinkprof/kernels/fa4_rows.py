@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from .base import BackwardState, TileGrads, trim_band
+from .base import BackwardState, TileGrads, side_streams, trim_band
 
 VERSIONS = ("4.0.0b36",)    # the FA4 releases whose internals this module was written against
 
@@ -174,7 +174,6 @@ class FA4RowsBackward:
         self.cute_dtype = fa4.torch2cute_dtype_map[q.dtype]
         self.arch = fa4._get_device_arch()
         self._kv_scratch: dict = {}   # a stream -> its dK/dV scratch
-        self._helper_streams: dict = {}   # a stream -> the helper streams of its tiles' pieces
         self.split = split
         self.sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         with self._quiet():
@@ -225,18 +224,20 @@ class FA4RowsBackward:
             cuts = causal_cuts(n_q, b * h, cfg.n_block_size, self.block, self.sms)
         bounds = (0, *cuts, n_kv)
         here = torch.cuda.current_stream(k.device)
-        helpers = self._helpers(here, len(cuts))
+        helpers = side_streams(here, len(cuts), "pieces") if cuts else []
         for helper in helpers:   # before the first piece is issued: the pieces run side by side
             helper.wait_stream(here)
-        for stream, k0, k1 in zip((here, *helpers), bounds, bounds[1:]):
-            # a piece: the keys [k0, k1) and the rows from k0 on (the first that see them when the tile is cut)
-            accum = [None if x is None else x[:, :, k0 * width:_round_up(k1, cfg.n_block_size) * width]
-                     for x, width in ((dk_accum, self.d_rounded), (dv_accum, self.dv_rounded))]
-            with torch.cuda.stream(stream):
-                self._main(slice(rows.start + k0, rows.stop), k[:, k0:k1], v[:, k0:k1], band,
-                           dk[:, k0:k1], dv[:, k0:k1], *accum)
-        for helper in helpers:
-            here.wait_stream(helper)
+        try:
+            for stream, k0, k1 in zip((here, *helpers), bounds, bounds[1:]):
+                # a piece: the keys [k0, k1) and the rows from k0 on (the first that see them when the tile is cut)
+                accum = [None if x is None else x[:, :, k0 * width:_round_up(k1, cfg.n_block_size) * width]
+                         for x, width in ((dk_accum, self.d_rounded), (dv_accum, self.dv_rounded))]
+                with torch.cuda.stream(stream):
+                    self._main(slice(rows.start + k0, rows.stop), k[:, k0:k1], v[:, k0:k1], band,
+                               dk[:, k0:k1], dv[:, k0:k1], *accum)
+        finally:   # an error's way out too: a capture must not end with work forked and not joined
+            for helper in helpers:
+                here.wait_stream(helper)
         if dk_accum is not None:
             post = dict(use_2cta_instrs=False, cluster_size=1, hdim_multiple_of=self.hdim_multiple_of,
                         accum_order=None, fake_mode=False)
@@ -254,15 +255,6 @@ class FA4RowsBackward:
         if direct:
             return TileGrads(None, None, None, d_sink, None)
         return TileGrads(None, _bshd(dk), _bshd(dv), d_sink, None)
-
-    def _helpers(self, stream: torch.cuda.Stream, count: int) -> list:
-        """``count`` helper streams of ``stream`` for a tile's later pieces, made once, at its
-        priority (one set a stream: two rings capturing on streams of their own never share one)."""
-        key = (stream.device, stream.cuda_stream)
-        have = self._helper_streams.setdefault(key, [])
-        while len(have) < count:
-            have.append(torch.cuda.Stream(stream.device, priority=stream.priority))
-        return have[:count]
 
     def _main(self, rows: slice, k, v, band, dk, dv, dk_accum, dv_accum) -> None:
         """FA4's main kernel over ``rows`` of the rank's rows and the keys ``k``, ``v`` (``[b, n, g,
