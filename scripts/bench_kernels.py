@@ -82,6 +82,18 @@ FA4_WINDOW = fa4_module.fa4_window   # FA4's own reading of a band (``--fa4-full
 BWD_FLOPS = 2.5     # a backward counted as 2.5 forwards
 
 
+def fa4_interface_or_exit(ap: argparse.ArgumentParser):
+    """FA4's ``flash_attn.cute.interface`` for a probe script, or its usage error (exit 2) naming
+    why FA4 cannot run here; the command line is cut to the program name first, as the CuTe DSL
+    parses it at every compile (sinkprof.kernels.fa4)."""
+    why = unavailable_reason("fa4", "cuda") if torch.cuda.is_available() else "no CUDA device is visible"
+    if why:
+        ap.error(f"needs FlashAttention-4 on a GPU: {why}")
+    sys.argv = sys.argv[:1]
+    from flash_attn.cute import interface
+    return interface
+
+
 def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``calls`` back-to-back calls of ``fn``, warmed on a side stream first."""
     side = torch.cuda.Stream()

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import interleaved_ms  # noqa: E402
+from bench_kernels import fa4_interface_or_exit, interleaved_ms  # noqa: E402
 
 SHAPES = {"h16-d128": (16, 16, 128), "gpt-oss": (64, 8, 64)}
 
@@ -31,12 +31,7 @@ def main() -> None:
     if unknown or args.n < 256 or args.n % 256:
         ap.error(f"--shapes: {unknown} not in {sorted(SHAPES)}" if unknown else
                  f"--n {args.n}: give a multiple of 256 (the full call has n/2 rows)")
-    from sinkprof.kernels import unavailable_reason
-    why = unavailable_reason("fa4", "cuda") if torch.cuda.is_available() else "no CUDA device is visible"
-    if why:
-        ap.error(f"needs FlashAttention-4 on a GPU: {why}")
-    sys.argv = sys.argv[:1]   # the CuTe DSL parses the command line at every compile (sinkprof.kernels.fa4)
-    from flash_attn.cute import interface as fa4
+    fa4 = fa4_interface_or_exit(ap)
     dev = torch.device("cuda")
     n = args.n
     for name in args.shapes.split(","):

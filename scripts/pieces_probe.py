@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import interleaved_ms  # noqa: E402
+from bench_kernels import fa4_interface_or_exit, interleaved_ms  # noqa: E402
 
 SHAPES = {"h16-d128": (16, 16, 128), "gpt-oss": (64, 8, 64)}
 
@@ -36,12 +36,8 @@ def main() -> None:
     if unknown or not sizes or any(n < 512 or n % 512 for n in sizes):
         ap.error(f"--shapes: {unknown} not in {sorted(SHAPES)}" if unknown else
                  f"--n {args.n}: give multiples of 512, comma-separated")
-    from sinkprof.kernels import get_kernel, unavailable_reason
-    why = unavailable_reason("fa4", "cuda") if torch.cuda.is_available() else "no CUDA device is visible"
-    if why:
-        ap.error(f"needs FlashAttention-4 on a GPU: {why}")
-    sys.argv = sys.argv[:1]   # the CuTe DSL parses the command line at every compile (sinkprof.kernels.fa4)
-    from flash_attn.cute import interface as fa4
+    fa4 = fa4_interface_or_exit(ap)
+    from sinkprof.kernels import get_kernel
     from sinkprof.kernels import fa4_rows
     from sinkprof.kernels.base import BackwardState
     from sinkprof.options import Band

@@ -387,3 +387,17 @@ def test_the_full_window_experiment_changes_the_forward_alone(bk):
     wrapped(4, 16)
     assert seen == [(False, 16, 4)]
     assert fa4_module.fa4_window(Band(), 4, 16) == bk.FA4_WINDOW(Band(), 4, 16) == (False, None, None)
+
+
+@pytest.mark.parametrize("script", ["pieces_probe.py", "overlap_probe.py"])
+@pytest.mark.parametrize("argv,says", [(["--n", "100"], "--n 100"), (["--shapes", "h99"], "--shapes"),
+                                       ([], "needs FlashAttention-4 on a GPU")])
+def test_the_probes_usage_errors_name_the_option_and_exit_2(script, argv, says):
+    """The probes refuse a bad size or shape by name, and say why FA4 cannot run (no GPU here),
+    with exit 2 and no traceback."""
+    import subprocess
+    if torch.cuda.is_available() and not argv:
+        pytest.skip("a GPU is here: the probe would run")
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / script), *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr

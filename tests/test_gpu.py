@@ -416,6 +416,23 @@ def test_fa4_rows_backward_matches_the_per_tile_backward_and_the_reference(fa4_k
         assert compare(got[True][name], got[False][name], tol).passed, name
 
 
+def _fa4_ring_off_and_on(fa4_kernel, monkeypatch, setting: str, spec, shape: Shape, cp: int, seed: int, kind: str,
+                         after):
+    """The ring on fa4 with the kernel's ``setting`` off, then on, ``after(on)`` checking (and
+    clearing) what its spies saw each time: both match the reference, and each other."""
+    x = make_inputs(shape, spec, seed=seed).to("cuda", torch.bfloat16)
+    ref = reference(x.to("cuda", torch.float64), spec)
+    tol = tolerance_for(torch.bfloat16, gqa=shape.g < shape.h)
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(fa4_kernel, setting, on)
+        got[on] = emulate_ring(x, spec, cp, SinkStrategy.STEP0, kernel=fa4_kernel, kv_schedule=kind).result.named()
+        after(on)
+    for name, want in ref.named().items():
+        assert compare(got[True][name], want, tol).passed, name
+        assert compare(got[True][name], got[False][name], tol).passed, name
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("mask,window", [("causal", None), ("no_mask", None), ("causal", (127, 0))])
 @pytest.mark.parametrize("softmax_type", ["vanilla", "learnable"])
@@ -442,25 +459,17 @@ def test_step_0_beside_the_next_step_matches_one_stream_and_the_reference(fa4_ke
         armed.append(self.on)
     monkeypatch.setattr(ring.Beside, "join", spy_join)
     monkeypatch.setattr(ring.Beside, "__init__", spy_init)
-    spec = make_spec(softmax_type, mask, window, "bshd")
-    x = make_inputs(Shape(b=1, s=1024 * cp, h=h, g=g, d=d), spec, seed=cp).to("cuda", torch.bfloat16)
-    ref = reference(x.to("cuda", torch.float64), spec)
-    tol = tolerance_for(torch.bfloat16, gqa=g < h)
-    got = {}
-    for concurrent in (False, True):
-        monkeypatch.setattr(fa4_kernel, "concurrent", concurrent)
-        joined.clear()
-        armed.clear()
-        got[concurrent] = emulate_ring(x, spec, cp, SinkStrategy.STEP0, kernel=fa4_kernel,
-                                       kv_schedule=kind).result.named()
+
+    def after(concurrent):
         assert len(joined) == sum(armed), (joined, armed)   # every ring that put step 0 beside joined it
         if window is None:   # every rank's forward and backward
             assert sum(armed) == (2 * cp if concurrent else 0), armed
         else:   # forwards only, where step 1 has tiles (all ranks but rank 0 at cp 4)
             assert sum(armed) == ((cp if cp == 2 else cp - 1) if concurrent else 0), armed
-    for name, want in ref.named().items():
-        assert compare(got[True][name], want, tol).passed, name
-        assert compare(got[True][name], got[False][name], tol).passed, name
+        joined.clear()
+        armed.clear()
+    _fa4_ring_off_and_on(fa4_kernel, monkeypatch, "concurrent", make_spec(softmax_type, mask, window, "bshd"),
+                         Shape(b=1, s=1024 * cp, h=h, g=g, d=d), cp, cp, kind, after)
 
 
 @pytest.mark.parametrize("h,g,d", [(8, 8, 128), (8, 2, 64)], ids=["mha-d128", "gqa-d64"])
@@ -559,23 +568,16 @@ def test_a_ring_whose_step_0_runs_in_pieces_matches_the_reference(fa4_kernel, mo
     monkeypatch.setattr(fa4_rows, "side_streams",
                         lambda stream, count, purpose: asked.append(count) or streams(stream, count, purpose))
     cp = 2
-    spec = make_spec(softmax_type, "causal", None, "bshd")
-    x = make_inputs(Shape(b=1, s=2048 * cp, h=h, g=g, d=d), spec, seed=3).to("cuda", torch.bfloat16)
-    ref = reference(x.to("cuda", torch.float64), spec)
-    tol = tolerance_for(torch.bfloat16, gqa=g < h)
-    got = {}
-    for split in (False, True):
-        monkeypatch.setattr(fa4_kernel, "causal_pieces", split)
-        seen.clear()
-        asked.clear()
-        got[split] = emulate_ring(x, spec, cp, SinkStrategy.STEP0, kernel=fa4_kernel, kv_schedule=kind).result.named()
+
+    def after(split):
         if split:   # every rank's step 0 (the one square causal tile) cut, its later pieces on helper streams
             assert len(seen) == cp and all(seen) and asked == [len(c) for c in seen], (seen, asked)
         else:
             assert seen == [] and asked == []
-    for name, want in ref.named().items():
-        assert compare(got[True][name], want, tol).passed, name
-        assert compare(got[True][name], got[False][name], tol).passed, name
+        seen.clear()
+        asked.clear()
+    _fa4_ring_off_and_on(fa4_kernel, monkeypatch, "causal_pieces", make_spec(softmax_type, "causal", None, "bshd"),
+                         Shape(b=1, s=2048 * cp, h=h, g=g, d=d), cp, 3, kind, after)
 
 
 @pytest.mark.parametrize("home", [torch.float32, torch.bfloat16], ids=["fp32-home", "bf16-home-in-place"])
