@@ -446,10 +446,12 @@ def _configured(fn: Callable, kernel, off: tuple = ()) -> Callable:
     """``fn`` with the kernel's settings of ``CONTROLS`` as its class has them, less those named in
     ``off``: set at each call (a capture takes what is set then), as the variants of one kernel run
     interleaved."""
+    settings = {flag: getattr(type(kernel), flag) and flag not in off
+                for flags in CONTROLS.values() for flag in flags if hasattr(type(kernel), flag)}
+
     def call():
-        for flag in {f for fs in CONTROLS.values() for f in fs}:
-            if hasattr(type(kernel), flag):
-                setattr(kernel, flag, getattr(type(kernel), flag) and flag not in off)
+        for flag, on in settings.items():
+            setattr(kernel, flag, on)
         fn()
     return call
 

@@ -11,7 +11,6 @@ at a half and three quarters, and FA4's own ``_flash_attn_bwd`` on the same tile
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -59,9 +58,7 @@ def main() -> None:
                                             tiles=tiles, biased=False)
             assert isinstance(rows_bwd, fa4_rows.FA4RowsBackward)
             tile_n, tile_m = rows_bwd.cfg.n_block_size, rows_bwd.block
-            unit = math.lcm(tile_n, tile_m)
-            variants = {"whole": (), "half": (n // 2 // unit * unit,),
-                        "half+3/4": (n // 2 // unit * unit, 3 * n // 4 // unit * unit)}
+            variants = dict(zip(("whole", "half", "half+3/4"), fa4_rows.candidate_cuts(n, tile_n, tile_m)))
             fns = {}
             for label, cuts in variants.items():
                 def run(cuts=cuts):

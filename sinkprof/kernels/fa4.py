@@ -196,7 +196,7 @@ class FA4Tiles(TileByTile):
             return TileRowsBackward(self, state, scale, single=one_tile_per_row(tiles))
         return fa4_rows.FA4RowsBackward(_fa4, state, scale, cfg,
                                         kv_rows=max(t.kv_rows.stop - t.kv_rows.start for t in tiles),
-                                        window=fa4_window, quiet=_program_name_only, split=self.causal_pieces)
+                                        window=fa4_window, quiet=_program_name_only, causal_pieces=self.causal_pieces)
 
     def _rows_refusal(self, state: BackwardState, biased: bool) -> Optional[str]:
         if not self.rows_path:

@@ -88,17 +88,26 @@ def predicted_time(n: int, cuts: tuple, programs: int, tile_n: int, tile_m: int,
     return end
 
 
-@functools.lru_cache(maxsize=256)
-def causal_cuts(n: int, programs: int, tile_n: int, tile_m: int, sms: int) -> tuple:
-    """The keys at which a causal ``n x n`` tile's backward is cut into pieces (module docstring):
-    none, at half, or at a half and three quarters (on blocks of both sizes), whichever
-    ``predicted_time`` gives the least, more pieces only for ``SPLIT_GAIN`` less time than fewer."""
+def candidate_cuts(n: int, tile_n: int, tile_m: int) -> list:
+    """The cuts ``causal_cuts`` chooses from, fewest pieces first: none, at half, at a half and three
+    quarters, each on blocks of both sizes (those that round to nothing left out)."""
     unit = math.lcm(tile_n, tile_m)
-    best, best_t = (), predicted_time(n, (), programs, tile_n, tile_m, sms)
+    out = [()]
     for cuts in ((n // 2,), (n // 2, 3 * n // 4)):
         cuts = tuple(c // unit * unit for c in cuts)
         if len(set(cuts)) != len(cuts) or not all(0 < c < n for c in cuts):
             break
+        out.append(cuts)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def causal_cuts(n: int, programs: int, tile_n: int, tile_m: int, sms: int) -> tuple:
+    """The keys at which a causal ``n x n`` tile's backward is cut into pieces (module docstring):
+    of ``candidate_cuts``, whichever ``predicted_time`` gives the least, more pieces only for
+    ``SPLIT_GAIN`` less time than fewer."""
+    best, best_t = (), predicted_time(n, (), programs, tile_n, tile_m, sms)
+    for cuts in candidate_cuts(n, tile_n, tile_m)[1:]:
         t = predicted_time(n, cuts, programs, tile_n, tile_m, sms)
         if t < best_t * (1 - SPLIT_GAIN):
             best, best_t = cuts, t
@@ -148,11 +157,11 @@ class FA4RowsBackward:
     concurrent = True
 
     def __init__(self, interface, state: BackwardState, scale: float, cfg, *, kv_rows: int, window, quiet,
-                 split: bool = True):
+                 causal_pieces: bool = True):
         """``interface``: ``flash_attn.cute.interface``; ``kv_rows``: the largest tile's keys;
         ``window``: a trimmed band as FA4's ``(causal, left, right)``; ``quiet``: the context that
-        hides the command line from the CuTe DSL (``fa4.py``); ``split``: whether a causal tile may
-        run as pieces (``causal_cuts``)."""
+        hides the command line from the CuTe DSL (``fa4.py``); ``causal_pieces``: whether a causal
+        tile may run as pieces (``causal_cuts``)."""
         fa4 = self.fa4 = interface
         self.state, self.scale, self.cfg, self.kv_rows = state, scale, cfg, kv_rows
         self._window, self._quiet = window, quiet
@@ -174,7 +183,7 @@ class FA4RowsBackward:
         self.cute_dtype = fa4.torch2cute_dtype_map[q.dtype]
         self.arch = fa4._get_device_arch()
         self._kv_scratch: dict = {}   # a stream -> its dK/dV scratch
-        self.split = split
+        self.causal_pieces = causal_pieces
         self.sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         with self._quiet():
             fa4._bwd_preprocess(fa4.maybe_contiguous(_bshd(state.out)), self.dout, self.dpsum,
@@ -219,7 +228,7 @@ class FA4RowsBackward:
         dk, dv, dk_accum, dv_accum = self._scratch(_bshd(k), _bshd(v), dkv if direct else None)
         causal, _, _ = self._window(band, n_q, n_kv)
         cuts = ()
-        if self.split and causal and n_q == n_kv:
+        if self.causal_pieces and causal and n_q == n_kv:
             b, h = self.q.shape[0], self.q.shape[2]
             cuts = causal_cuts(n_q, b * h, cfg.n_block_size, self.block, self.sms)
         bounds = (0, *cuts, n_kv)
