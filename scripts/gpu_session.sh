@@ -8,7 +8,7 @@
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
-# verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b
+# verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -462,6 +462,24 @@ if [[ $what == *" verify17b "* ]]; then   # <= 480 s: verify17's checks cut to f
       --softmax all --mask all --dtype bf16 --sink-strategy all --sink-grad full --batch 2 --seq-len 2048 --heads 8 \
       --kv-heads 4 --head-dim 64 --format json --output "$OUT/check_fa4_cp4_17b.json"
 fi
+if [[ $what == *" config18 "* ]]; then   # <= 500 s: a ring's full tiles under the causal rank's backward configuration
+  # (FA4's for masked tiles, 64-row blocks at d128) against FA4's own for unmasked ones (80-row blocks), then the
+  # GPU tests of the rows backward (tiles off the blocks) and the pieces, then the ring under both (CONFIG_RINGS)
+  run config_probe18 ${PROBE_S:-100} python3 scripts/config_probe.py
+  run gpu_tests18 ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "rows_backward_matches or pieces"
+  run ring_config18 ${RING_S:-190} python3 scripts/bench_kernels.py --skip-tiles --rings "${CONFIG_RINGS:-h16-d128:2,4,8}" \
+      --masks causal --ring-backends fa4+comm --masked-config-too --out "$OUT/ring_config18.json"
+fi
+for cp in 2 4; do   # <= 560 s each: issue 11's check matrix on fa4 at 2 or 4 ranks, one invocation (and JSON) per
+  # --comm, so a step that runs out of time loses one of them: every softmax type, mask, dtype, strategy and contract
+  if [[ $what == *" matrix18_$cp "* ]]; then
+    for comm in p2p a2a a2a+p2p; do
+      run check_fa4_cp${cp}_${comm/+/_}_18 ${CHECK_S:-180} $SP check --device cuda --backend fa4 --ranks $cp --comm $comm \
+          --softmax all --mask all --dtype bf16,fp16 --sink-strategy all --sink-grad all --batch 1 --seq-len 2048 \
+          --heads 8 --kv-heads 4 --head-dim 64 --run-timeout 170 --format json --output "$OUT/check_fa4_cp${cp}_${comm/+/_}_18.json"
+    done
+  fi
+done
 if [[ $what == *" prof12 "* ]]; then   # <= 420 s: where the forward's time goes at cp 2 and 4 (the ring's own code
   # against its calls standalone: 0.91-0.92 against 0.97-0.98 in rings12), then issue 15's pack honestly fed
   run ring_prof12 200 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4" \
