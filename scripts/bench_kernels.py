@@ -439,6 +439,7 @@ def _timed(fns: dict, calls: int = 2, rounds: int = 15) -> tuple[dict, str]:
 CONTROLS = {   # a control variant of vanilla step0 -> the kernel settings it turns off
     "one-stream": ("concurrent",),       # every step on the ring's one stream (no ring.Beside)
     "whole-causal": ("causal_pieces",),  # the rows backward runs a causal tile whole (no fa4_rows.causal_cuts)
+    "masked-config": ("unmasked_config",),  # a causal rank's rows backward runs FA4's configuration for masked tiles
 }
 
 
@@ -469,8 +470,9 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
     them comes from one run (``with_rates``: the row's ``mono_ms``); the machine drifts by up to
     10% between runs. ``controls``: names of ``CONTROLS``, each also timed as vanilla step0 with
     those settings off (``vanilla step0 one-stream``: every step on one stream; ``vanilla step0
-    whole-causal``: causal tiles' backward whole), against the variants, which have them on where
-    the backend allows it."""
+    whole-causal``: causal tiles' backward whole; ``vanilla step0 masked-config``: a causal rank's
+    backward under FA4's configuration for masked tiles), against the variants, which have them on
+    where the backend allows it."""
     cp = schedule.cp
     runs = [(softmax, strategy, "") for softmax, strategy in RUNS] + [
         ("vanilla", SinkStrategy.STEP0, control) for control in controls]
@@ -868,6 +870,10 @@ def parse_args(argv=None):
     ap.add_argument("--whole-causal-too", action="store_true",
                     help="the ring benchmarks also time vanilla step0 with its causal tiles' backward run whole "
                          "('vanilla step0 whole-causal'), beside the variants' cut into pieces where the backend does")
+    ap.add_argument("--masked-config-too", action="store_true",
+                    help="the ring benchmarks also time vanilla step0 with a causal rank's rows backward under FA4's "
+                         "configuration for masked tiles ('vanilla step0 masked-config'), beside the variants' under "
+                         "its configuration for unmasked ones")
     ap.add_argument("--skip-tiles", action="store_true")
     ap.add_argument("--profile-step", action="store_true", help="print the kernels of one warm ring per config "
                     "and timed rank (learnable step0), by total time and one by one")
@@ -888,7 +894,8 @@ def parse_args(argv=None):
 
 def controls(args) -> tuple:
     """The control variants (``CONTROLS``) the flags ask for."""
-    return tuple(c for c, on in (("one-stream", args.one_stream_too), ("whole-causal", args.whole_causal_too)) if on)
+    return tuple(c for c, on in (("one-stream", args.one_stream_too), ("whole-causal", args.whole_causal_too),
+                                 ("masked-config", args.masked_config_too)) if on)
 
 
 def main() -> None:

@@ -151,9 +151,10 @@ def test_the_slowest_rank_rows_and_their_rates_on_the_cpu(bk, monkeypatch):
 
 
 def test_the_control_variants_turn_off_their_settings_at_each_call(bk, monkeypatch):
-    """``--one-stream-too`` and ``--whole-causal-too`` add vanilla step0 rows with the kernel's
-    ``concurrent`` or ``causal_pieces`` off, set at each call (the variants of one kernel run
-    interleaved); the other variants run with the class's settings."""
+    """``--one-stream-too``, ``--whole-causal-too`` and ``--masked-config-too`` add vanilla step0
+    rows with the kernel's ``concurrent``, ``causal_pieces`` or ``unmasked_config`` off, set at each
+    call (the variants of one kernel run interleaved); the other variants run with the class's
+    settings."""
     monkeypatch.setattr(bk, "interleaved_ms", lambda fns, calls=2, rounds=15, graphed=True:
                         {name: {"ms": 1.0, "spread_ms": 0.0} for name in fns})
     monkeypatch.setattr(bk, "host_us", lambda fn, calls=20: 1.0)
@@ -161,21 +162,24 @@ def test_the_control_variants_turn_off_their_settings_at_each_call(bk, monkeypat
     class Kernel:
         concurrent = True
         causal_pieces = True
+        unmasked_config = True
     kernel, seen = Kernel(), []
-    fn = lambda: seen.append((kernel.concurrent, kernel.causal_pieces))
+    fn = lambda: seen.append((kernel.concurrent, kernel.causal_pieces, kernel.unmasked_config))
     bk._configured(fn, kernel, bk.CONTROLS["whole-causal"])()
     bk._configured(fn, kernel, bk.CONTROLS["one-stream"])()
+    bk._configured(fn, kernel, bk.CONTROLS["masked-config"])()
     bk._configured(fn, kernel)()
-    assert seen == [(True, False), (False, True), (True, True)]
-    args = bk.parse_args(["--whole-causal-too", "--one-stream-too"])
-    assert bk.controls(args) == ("one-stream", "whole-causal")
+    assert seen == [(True, False, True), (False, True, True), (True, True, False), (True, True, True)]
+    args = bk.parse_args(["--whole-causal-too", "--one-stream-too", "--masked-config-too"])
+    assert bk.controls(args) == ("one-stream", "whole-causal", "masked-config")
     assert bk.controls(bk.parse_args([])) == ()
     docs = bk.pack_lengths(96, 8, 32, 8, seed=1)
     p = bk.pack_setup(4, 4, 2, 8, docs, "cpu", dtype=torch.float32)
     rows = bk.slowest_rank(["torch"], p.schedule, [0], p.shards, p.ks, p.vs, p.sink, "causal", 8,
                            controls=bk.controls(args))
     assert [r["variant"] for r in rows] == ["vanilla step0", "learnable step0", "learnable post-merge",
-                                            "vanilla step0 one-stream", "vanilla step0 whole-causal"]
+                                            "vanilla step0 one-stream", "vanilla step0 whole-causal",
+                                            "vanilla step0 masked-config"]
 
 
 def test_a_rows_ratio_comes_from_the_monolithic_calls_timed_in_its_own_run(bk, monkeypatch):

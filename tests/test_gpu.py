@@ -388,14 +388,16 @@ def fa4_kernel():
 @pytest.mark.parametrize("mask", ["causal", "no_mask"])
 @pytest.mark.parametrize("h,g,d", [(8, 8, 128), (8, 2, 64)], ids=["mha-d128", "gqa-d64"])
 @pytest.mark.parametrize("layout", ["bshd", "sbhd"])
-def test_fa4_rows_backward_matches_the_per_tile_backward_and_the_reference(fa4_kernel, cp, mask, h, g, d, layout):
+@pytest.mark.parametrize("chunk", [320, 512])
+def test_fa4_rows_backward_matches_the_per_tile_backward_and_the_reference(fa4_kernel, cp, mask, h, g, d, layout,
+                                                                           chunk):
+    """Chunks of 320 rows are on FA4's 64- and 80-row blocks (d128) and off its 128-row ones (d64);
+    of 512, on 64 and 128 and off 80: the second chunk's rows then run from the block before them."""
     from sinkprof.kernels import fa4_rows
     from sinkprof.kernels.base import BackwardState
     from sinkprof.plan import ring_plan
     spec = make_spec("learnable", mask, None, layout)
-    shape = Shape(b=2, s=640 * cp, h=h, g=g, d=d)   # 320-row chunks: on 64- and 80-row blocks, not on 128
-    if d == 64:
-        shape = Shape(b=2, s=512 * cp, h=h, g=g, d=d)
+    shape = Shape(b=2, s=2 * chunk * cp, h=h, g=g, d=d)
     host = make_inputs(shape, spec, seed=cp)
     x = host.to("cuda", torch.bfloat16)
     n = shape.s // cp

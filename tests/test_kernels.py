@@ -164,15 +164,20 @@ def test_fa4_calls_show_the_cute_dsl_only_the_program_name(monkeypatch):
         parser.parse_known_args()
 
 
-def test_the_fa4_rows_backward_takes_block_aligned_whole_tiles_only():
+def test_the_fa4_rows_backward_takes_whole_tiles_that_end_on_a_block_or_the_last_row():
+    """A tile's rows may start off FA4's blocks (the rows before them in the block then see
+    nothing), not end off them short of the last row (the block's other rows would add to dq)."""
     from sinkprof.kernels import fa4_rows
-    from sinkprof.plan import ring_plan
+    from sinkprof.plan import Tile, ring_plan
     causal, window = Band(None, 0), Band(-128, 0)
     tiles = lambda chunk, band: [t for st in ring_plan(4, 0, chunk, band).backward_steps for t in st.tiles]
     assert {t.q_rows.start for t in tiles(320, causal)} == {0, 320}   # rank 0: later tiles take its second chunk
     assert fa4_rows.unqualified(tiles(256, causal), 512, 128) is None
     assert fa4_rows.unqualified(tiles(320, causal), 640, 64) is None
-    assert "blocks" in fa4_rows.unqualified(tiles(320, causal), 640, 128)
+    assert fa4_rows.unqualified(tiles(320, causal), 640, 128) is None   # rows from 320: from 256, 64 seeing nothing
+    first_chunk = Tile(slice(0, 320), slice(0, 320), causal, True)
+    assert "end on a 128-row block" in fa4_rows.unqualified([first_chunk], 640, 128)
+    assert fa4_rows.unqualified([first_chunk], 640, 64) is None
     assert "part of its rows or keys" in fa4_rows.unqualified(tiles(256, window), 512, 128)
     no_mask = tiles(320, Band())
     assert fa4_rows.unqualified(no_mask, 640, 80) is None     # every tile is all the rows

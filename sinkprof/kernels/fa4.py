@@ -111,6 +111,7 @@ class FA4Tiles(TileByTile):
     rows_path = True                        # False: every backward tile through _flash_attn_bwd (for comparisons)
     concurrent = True                       # a call's scratch is its own (the bias fallback never runs beside)
     causal_pieces = True                    # the rows backward may cut a causal tile into pieces (fa4_rows.causal_cuts)
+    unmasked_config = True                  # the rows backward runs FA4's configuration for unmasked tiles, masked too
 
     def __init__(self, device_index: int):
         self.device = torch.device("cuda", device_index)
@@ -189,14 +190,14 @@ class FA4Tiles(TileByTile):
         tile after tile; the reason is logged (debug)."""
         why = self._rows_refusal(state, biased) if tiles else "no tiles"
         if why is None:
-            cfg = fa4_rows.configuration(_fa4, tiles, state.q.shape[3], state.out.shape[3])
+            cfg = fa4_rows.configuration(_fa4, tiles, state.q.shape[3], state.out.shape[3],
+                                         unmasked=self.unmasked_config)
             why = fa4_rows.unqualified(tiles, state.q.shape[2], cfg.m_block_size)
         if why is not None:
             log.debug("fa4 backward tile by tile: %s", why)
             return TileRowsBackward(self, state, scale, single=one_tile_per_row(tiles))
-        return fa4_rows.FA4RowsBackward(_fa4, state, scale, cfg,
-                                        kv_rows=max(t.kv_rows.stop - t.kv_rows.start for t in tiles),
-                                        window=fa4_window, quiet=_program_name_only, causal_pieces=self.causal_pieces)
+        return fa4_rows.FA4RowsBackward(_fa4, state, scale, cfg, tiles=tiles, window=fa4_window,
+                                        quiet=_program_name_only, causal_pieces=self.causal_pieces)
 
     def _rows_refusal(self, state: BackwardState, biased: bool) -> Optional[str]:
         if not self.rows_path:

@@ -11,10 +11,15 @@ memory per tile.
 Here the preprocess runs once over the rank's rows, every tile's main kernel adds into one
 accumulator, and one postprocess converts it at the end. FA4's accumulator is laid out in blocks of
 ``m_block_size`` rows, so a tile whose rows start on a block boundary (and end on one, or at the last
-row) owns a contiguous part of it, and of ``D`` and the base-2 lse. The sink gradient of a tile's rows,
-``-sum exp(a - lse) * D``, comes from the same ``D``. The layout of the accumulator depends on the
-kernel configuration, so every tile of a rank runs one configuration: FA4's for masked tiles when
-any tile is masked, else its configuration for unmasked ones.
+row) owns a contiguous part of it, and of ``D`` and the base-2 lse. A tile whose rows start off the
+blocks runs from its first block's first row, the rows before its own given an lse of +inf (a copy of
+the lse's rows, made once per pass): their probabilities are 0, so they add nothing to dq, dK or dV,
+and FA4 aligns a mask to the tile's bottom-right corner, so the rows' own mask is unchanged. The
+sink gradient of a tile's rows, ``-sum exp(a - lse) * D``, comes from the same ``D``. The layout of
+the accumulator depends on the kernel configuration, so every tile of a rank runs one configuration:
+FA4's for unmasked tiles (``configuration(unmasked=True)``, what ``FA4Tiles`` runs; at head dim 128
+it has 80-row blocks where the one for masked tiles has 64, docs/design.md, section 7), or FA4's for
+masked tiles when any tile is masked.
 
 A tile whose dK/dV the ring writes rather than adds (every key row from one tile: a direct step's
 part, kept in q's dtype) has FA4 write them there itself, with no scratch and no copy.
@@ -28,8 +33,8 @@ the tile's stream, the others on helper streams, so the later pieces' short prog
 one's tail. Their dq goes into the one accumulator through FA4's atomic adds; their keys, and so
 their dK/dV, are disjoint.
 
-``FA4Tiles.rows_backward`` takes this path when every tile qualifies (``unqualified``: rows on block
-boundaries, every row and key of the tile visible, no bias, bf16/fp16) and the per-tile path
+``FA4Tiles.rows_backward`` takes this path when every tile qualifies (``unqualified``: rows that end
+on a block or at the last row, every row and key of the tile visible, no bias, bf16/fp16) and the per-tile path
 otherwise. The main kernel is compiled here as FA4's interface compiles it for sm90 (no varlen, not
 deterministic, no score or mask modifiers): those are FA4 internals, so this path runs only on Hopper
 and on the FA4 versions in ``VERSIONS``.
@@ -125,11 +130,12 @@ def _writable(dkv, dtype: torch.dtype) -> bool:
                                    and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1]) for x in dkv)
 
 
-def configuration(interface, tiles, d: int, d_v: int):
+def configuration(interface, tiles, d: int, d_v: int, *, unmasked: bool = False):
     """FA4's sm90 backward configuration (``interface``: ``flash_attn.cute.interface``) for a rank
-    whose backward runs ``tiles``."""
+    whose backward runs ``tiles``: FA4's for masked tiles when any tile is masked, or with
+    ``unmasked`` its configuration for unmasked tiles whatever the tiles (module docstring)."""
     masked = False
-    for tile in tiles:
+    for tile in tiles if not unmasked else ():
         trimmed = trim_band(tile.band, tile.q_rows.stop - tile.q_rows.start, tile.kv_rows.stop - tile.kv_rows.start)
         if trimmed is not None and (trimmed[2].lo is not None or trimmed[2].hi is not None):
             masked = True
@@ -144,8 +150,8 @@ def unqualified(tiles, n: int, block: int) -> Optional[str]:
         trimmed = trim_band(tile.band, n_q, n_kv)
         if trimmed is None or trimmed[:2] != (slice(0, n_q), slice(0, n_kv)):
             return f"a tile of rows {rows.start}..{rows.stop} sees only part of its rows or keys"
-        if rows.start % block or (rows.stop % block and rows.stop != n):
-            return f"a tile's rows {rows.start}..{rows.stop} do not start and end on {block}-row blocks"
+        if rows.stop % block and rows.stop != n:
+            return f"a tile's rows {rows.start}..{rows.stop} do not end on a {block}-row block or the last row"
     return None
 
 
@@ -156,14 +162,15 @@ class FA4RowsBackward:
 
     concurrent = True
 
-    def __init__(self, interface, state: BackwardState, scale: float, cfg, *, kv_rows: int, window, quiet,
+    def __init__(self, interface, state: BackwardState, scale: float, cfg, *, tiles, window, quiet,
                  causal_pieces: bool = True):
-        """``interface``: ``flash_attn.cute.interface``; ``kv_rows``: the largest tile's keys;
-        ``window``: a trimmed band as FA4's ``(causal, left, right)``; ``quiet``: the context that
-        hides the command line from the CuTe DSL (``fa4.py``); ``causal_pieces``: whether a causal
-        tile may run as pieces (``causal_cuts``)."""
+        """``interface``: ``flash_attn.cute.interface``; ``tiles``: the rank's tiles (``plan.Tile``,
+        every one that ``tile`` will be given); ``window``: a trimmed band as FA4's ``(causal, left,
+        right)``; ``quiet``: the context that hides the command line from the CuTe DSL (``fa4.py``);
+        ``causal_pieces``: whether a causal tile may run as pieces (``causal_cuts``)."""
         fa4 = self.fa4 = interface
-        self.state, self.scale, self.cfg, self.kv_rows = state, scale, cfg, kv_rows
+        self.state, self.scale, self.cfg = state, scale, cfg
+        self.kv_rows = max(t.kv_rows.stop - t.kv_rows.start for t in tiles)
         self._window, self._quiet = window, quiet
         q = state.q
         b, h, n, d = q.shape
@@ -190,6 +197,15 @@ class FA4RowsBackward:
                                 fa4.maybe_contiguous(state.lse), self.lse_log2, self.dq_accum, None, None, None,
                                 self.cute_dtype, d, d_v, self.block, hdim_multiple_of=self.hdim_multiple_of,
                                 fake_mode=False)
+        # a main kernel's rows start on a block: rows off one run from the block's first row, the rows
+        # before theirs seeing nothing (an lse of +inf: every probability 0), from a copy of the lse
+        self._lse_from: dict = {}   # a first row off the blocks -> that copy, from its block's first row
+        for start in sorted({r for t in tiles for r in self._starts(t)}):
+            at = start // self.block * self.block
+            if at != start:
+                lse = self.lse_log2[:, :, at:].clone()
+                lse[:, :, :start - at] = math.inf
+                self._lse_from[start] = lse
 
     def _scratch(self, k: torch.Tensor, v: torch.Tensor, dkv):
         """dK/dV outputs (q's dtype, ``[b, n_kv, g, d]``: ``dkv``'s when given, else scratch) and,
@@ -219,6 +235,18 @@ class FA4RowsBackward:
         dv_accum.zero_()
         return dk, dv, dk_accum, dv_accum
 
+    def _cuts(self, n_q: int, n_kv: int, band) -> tuple:
+        """Where a tile of ``n_q`` rows and ``n_kv`` keys seeing ``band`` (trimmed) is cut into pieces."""
+        if not (self.causal_pieces and n_q == n_kv and self._window(band, n_q, n_kv)[0]):
+            return ()
+        return causal_cuts(n_q, self.q.shape[0] * self.q.shape[2], self.cfg.n_block_size, self.block, self.sms)
+
+    def _starts(self, tile) -> tuple:
+        """The first rows of the main kernels a ``plan.Tile`` runs (one a piece)."""
+        rows, n_kv = tile.q_rows, tile.kv_rows.stop - tile.kv_rows.start
+        cuts = self._cuts(rows.stop - rows.start, n_kv, trim_band(tile.band, rows.stop - rows.start, n_kv)[2])
+        return tuple(rows.start + k0 for k0 in (0, *cuts))
+
     def tile(self, rows: slice, k, v, band, sink, bias, *, first: bool, dkv=None) -> TileGrads:
         fa4, cfg = self.fa4, self.cfg
         direct = _writable(dkv, self.dtype)
@@ -226,11 +254,7 @@ class FA4RowsBackward:
         band = trim_band(band, n_q, n_kv)[2]
         k, v = fa4.maybe_contiguous(_bshd(k)), fa4.maybe_contiguous(_bshd(v))
         dk, dv, dk_accum, dv_accum = self._scratch(_bshd(k), _bshd(v), dkv if direct else None)
-        causal, _, _ = self._window(band, n_q, n_kv)
-        cuts = ()
-        if self.causal_pieces and causal and n_q == n_kv:
-            b, h = self.q.shape[0], self.q.shape[2]
-            cuts = causal_cuts(n_q, b * h, cfg.n_block_size, self.block, self.sms)
+        cuts = self._cuts(n_q, n_kv, band)
         bounds = (0, *cuts, n_kv)
         here = torch.cuda.current_stream(k.device)
         helpers = side_streams(here, len(cuts), "pieces") if cuts else []
@@ -273,9 +297,12 @@ class FA4RowsBackward:
         n_q, n_kv = rows.stop - rows.start, k.shape[1]
         causal, left, right = self._window(trim_band(band, n_q, n_kv)[2], n_q, n_kv)
         causal, local, left, right = fa4._resolve_causal_local_window(causal, left, right)
+        # rows off the blocks run from their block's first row, the rows before theirs seeing nothing
+        # (__init__); FA4 aligns a mask to the bottom-right corner, so the rows' own are unchanged
+        start, at = rows.start, rows.start // self.block * self.block
+        rows, n_q = slice(at, rows.stop), rows.stop - at
         q_rounded = _round_up(n_q, self.block)
-        at = rows.start
-        lse_log2 = self.lse_log2[:, :, at:at + q_rounded]
+        lse_log2 = self._lse_from[start][:, :, :q_rounded] if at != start else self.lse_log2[:, :, at:at + q_rounded]
         dpsum = self.dpsum[:, :, at:at + q_rounded]
         dq_accum = self.dq_accum[:, :, at * self.d_rounded:(at + q_rounded) * self.d_rounded]
         q, dout = self.q[:, rows], self.dout[:, rows]
