@@ -200,6 +200,7 @@ class FA4RowsBackward:
         # a main kernel's rows start on a block: rows off one run from the block's first row, the rows
         # before theirs seeing nothing (an lse of +inf: every probability 0), from a copy of the lse
         self._lse_from: dict = {}   # a first row off the blocks -> that copy, from its block's first row
+        self._causal_cuts: dict = {}   # a causal tile's rows -> causal_cuts
         for start in sorted({r for t in tiles for r in self._starts(t)}):
             at = start // self.block * self.block
             if at != start:
@@ -236,10 +237,14 @@ class FA4RowsBackward:
         return dk, dv, dk_accum, dv_accum
 
     def _cuts(self, n_q: int, n_kv: int, band) -> tuple:
-        """Where a tile of ``n_q`` rows and ``n_kv`` keys seeing ``band`` (trimmed) is cut into pieces."""
+        """Where a tile of ``n_q`` rows and ``n_kv`` keys seeing ``band`` (trimmed) is cut into pieces
+        (worked out once per tile shape: ``__init__`` asks for every tile's)."""
         if not (self.causal_pieces and n_q == n_kv and self._window(band, n_q, n_kv)[0]):
             return ()
-        return causal_cuts(n_q, self.q.shape[0] * self.q.shape[2], self.cfg.n_block_size, self.block, self.sms)
+        if n_q not in self._causal_cuts:
+            self._causal_cuts[n_q] = causal_cuts(n_q, self.q.shape[0] * self.q.shape[2], self.cfg.n_block_size,
+                                                 self.block, self.sms)
+        return self._causal_cuts[n_q]
 
     def _starts(self, tile) -> tuple:
         """The first rows of the main kernels a ``plan.Tile`` runs (one a piece)."""
