@@ -1,12 +1,12 @@
-"""How fast FA4's sm90 backward runs a ring's full (unmasked) tiles under the configuration a causal
-rank's rows backward runs every tile with (FA4's for masked tiles: 64-row blocks at head dim 128)
-against FA4's own for unmasked tiles (80-row blocks at head dim 128), and a causal tile (step 0, whole)
-under both.
+"""How fast FA4's sm90 backward runs a ring's full (unmasked) tiles under FA4's configuration for
+masked tiles (64-row blocks at head dim 128) and its own for unmasked tiles (80-row blocks at head
+dim 128), and a causal tile (step 0, whole) under both.
 
-``fa4_rows`` keeps one fp32 dq accumulator per rank, whose layout depends on the configuration, so a
-causal rank's full tiles run under the masked one. Each tile runs through the rows backward
-(``FA4RowsBackward.tile``, the main kernel alone: the preprocess and postprocess are once per rank)
-under both configurations, as interleaved CUDA-graph replays (b1, bf16).
+``fa4_rows`` keeps one fp32 dq accumulator per rank, whose layout depends on the configuration, so
+every tile of a rank runs one: a causal rank's ran the masked one until its tiles could start off
+the blocks (``FA4Tiles.unmasked_config``; docs/design.md, section 7). Each tile runs through the
+rows backward (``FA4RowsBackward.tile``, the main kernel alone: the preprocess and postprocess are
+once per rank) under both configurations, as interleaved CUDA-graph replays (b1, bf16).
 
     python3 scripts/config_probe.py [--tiles 4096x8192,8192x4096] [--causal 8192] [--heads 16] [--head-dim 128]
 """
@@ -81,7 +81,8 @@ def main() -> None:
         flops = 2.5 * 4 * h * d * (n_q * (n_q + 1) / 2 if masked_tile else n_q * n_kv)
         (a, ta), (b, tb) = t.items()
         print(f"{n_q}x{n_kv} {'causal' if masked_tile else 'full'}: {a} {ta['ms']:.3f} ms "
-              f"({flops / ta['ms'] / 1e9:.0f} TFLOP/s); {b} {tb['ms']:.3f} ms ({flops / tb['ms'] / 1e9:.0f} TFLOP/s); unmasked / masked time {tb['ms'] / ta['ms']:.3f}; "
+              f"({flops / ta['ms'] / 1e9:.0f} TFLOP/s); {b} {tb['ms']:.3f} ms ({flops / tb['ms'] / 1e9:.0f} TFLOP/s); "
+              f"unmasked / masked time {tb['ms'] / ta['ms']:.3f}; "
               f"spreads {ta['spread_ms']:.3f}, {tb['spread_ms']:.3f}", flush=True)
 
 

@@ -406,7 +406,7 @@ def test_fa4_rows_backward_matches_the_per_tile_backward_and_the_reference(fa4_k
     state = BackwardState(*(torch.zeros(1, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)),
                           torch.zeros(1, h, n, device="cuda"), torch.zeros(1, h, n, d, device="cuda"))
     taken = fa4_kernel.rows_backward(state, scale=d ** -0.5, tiles=tiles, biased=False)
-    assert isinstance(taken, fa4_rows.FA4RowsBackward), fa4_rows.unqualified(tiles, n, 64)
+    assert isinstance(taken, fa4_rows.FA4RowsBackward), f"{type(taken).__name__}: not the rows path (see the debug log)"
     ref = reference(x.to("cuda", torch.float64), spec)
     tol = tolerance_for(torch.bfloat16, gqa=g < h)
     got = {}

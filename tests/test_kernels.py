@@ -184,6 +184,32 @@ def test_the_fa4_rows_backward_takes_whole_tiles_that_end_on_a_block_or_the_last
     assert {(t.q_rows.start, t.q_rows.stop) for t in no_mask} == {(0, 640)}
 
 
+def test_the_fa4_rows_backward_runs_the_unmasked_configuration_where_its_tiles_allow():
+    """FA4's configuration for unmasked tiles (80-row blocks at d128) for causal and full ranks,
+    FA4's own for masked ones where a tile has a window's left bound or would end off its blocks
+    (a pack's document) and on the masked one's."""
+    from types import SimpleNamespace
+    from sinkprof.kernels import fa4_rows
+    from sinkprof.plan import Tile, ring_plan
+    fa4 = SimpleNamespace(_tile_size_bwd_sm90=lambda d, d_v, masked, local: SimpleNamespace(
+        m_block_size=64 if masked else 80, masked=masked))
+    causal = [t for st in ring_plan(2, 0, 4096, Band(None, 0)).backward_steps for t in st.tiles]
+    assert {t.q_rows.start for t in causal} == {0, 4096}            # the later tile starts off the 80-row blocks
+    cfg, why = fa4_rows.choose_configuration(fa4, causal, 8192, 128, 128, unmasked=True)
+    assert why is None and cfg.m_block_size == 80
+    cfg, why = fa4_rows.choose_configuration(fa4, causal, 8192, 128, 128, unmasked=False)
+    assert why is None and cfg.m_block_size == 64
+    window = [t for st in ring_plan(2, 0, 4096, Band(-1024, 0)).backward_steps for t in st.tiles]
+    assert fa4_rows.configuration(fa4, window, 128, 128, unmasked=True).m_block_size == 64
+    assert fa4_rows.configuration(fa4, [Tile(slice(0, 8), slice(0, 8), Band(), True)], 128, 128).m_block_size == 80
+    doc = [Tile(slice(0, 192), slice(0, 192), Band(None, 0), True), Tile(slice(192, 512), slice(0, 320), Band(), False)]
+    cfg, why = fa4_rows.choose_configuration(fa4, doc, 512, 128, 128, unmasked=True)   # 192: on 64, not on 80
+    assert why is None and cfg.m_block_size == 64
+    odd = [Tile(slice(0, 100), slice(0, 100), Band(None, 0), True)]
+    cfg, why = fa4_rows.choose_configuration(fa4, odd, 512, 128, 128, unmasked=True)
+    assert cfg is None and "end on a 64-row block" in why
+
+
 def test_side_streams_are_made_once_and_never_a_stream_in_use(monkeypatch):
     """torch hands streams out of a pool in turn (here one of 12): the streams run beside a stream
     are made once per stream and purpose, and are neither that stream nor one handed out for

@@ -190,9 +190,8 @@ class FA4Tiles(TileByTile):
         tile after tile; the reason is logged (debug)."""
         why = self._rows_refusal(state, biased) if tiles else "no tiles"
         if why is None:
-            cfg = fa4_rows.configuration(_fa4, tiles, state.q.shape[3], state.out.shape[3],
-                                         unmasked=self.unmasked_config)
-            why = fa4_rows.unqualified(tiles, state.q.shape[2], cfg.m_block_size)
+            cfg, why = fa4_rows.choose_configuration(_fa4, tiles, state.q.shape[2], state.q.shape[3],
+                                                     state.out.shape[3], unmasked=self.unmasked_config)
         if why is not None:
             log.debug("fa4 backward tile by tile: %s", why)
             return TileRowsBackward(self, state, scale, single=one_tile_per_row(tiles))

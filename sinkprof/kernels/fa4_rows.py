@@ -133,12 +133,14 @@ def _writable(dkv, dtype: torch.dtype) -> bool:
 def configuration(interface, tiles, d: int, d_v: int, *, unmasked: bool = False):
     """FA4's sm90 backward configuration (``interface``: ``flash_attn.cute.interface``) for a rank
     whose backward runs ``tiles``: FA4's for masked tiles when any tile is masked, or with
-    ``unmasked`` its configuration for unmasked tiles whatever the tiles (module docstring)."""
-    masked = False
-    for tile in tiles if not unmasked else ():
-        trimmed = trim_band(tile.band, tile.q_rows.stop - tile.q_rows.start, tile.kv_rows.stop - tile.kv_rows.start)
-        if trimmed is not None and (trimmed[2].lo is not None or trimmed[2].hi is not None):
-            masked = True
+    ``unmasked`` its configuration for unmasked tiles when no tile has a window's left bound (FA4
+    runs its windowed kernels on the masked one only; causal tiles were measured and tested on both:
+    module docstring)."""
+    bands = [trim_band(t.band, t.q_rows.stop - t.q_rows.start, t.kv_rows.stop - t.kv_rows.start) for t in tiles]
+    bands = [trimmed[2] for trimmed in bands if trimmed is not None]
+    if unmasked and all(band.lo is None for band in bands):
+        return interface._tile_size_bwd_sm90(d, d_v, False, False)
+    masked = any(band.lo is not None or band.hi is not None for band in bands)
     return interface._tile_size_bwd_sm90(d, d_v, masked, False)
 
 
@@ -153,6 +155,19 @@ def unqualified(tiles, n: int, block: int) -> Optional[str]:
         if rows.stop % block and rows.stop != n:
             return f"a tile's rows {rows.start}..{rows.stop} do not end on a {block}-row block or the last row"
     return None
+
+
+def choose_configuration(interface, tiles, n: int, d: int, d_v: int, *, unmasked: bool) -> tuple:
+    """(configuration, None) for a rank of ``n`` rows whose every tile qualifies under it: the one
+    ``unmasked`` asks for, else FA4's own (a thd pack's tiles end where its documents' chunks do,
+    which may be on the blocks of one and not the other); else (None, why not)."""
+    why = None
+    for each in dict.fromkeys((unmasked, False)):
+        cfg = configuration(interface, tiles, d, d_v, unmasked=each)
+        why = unqualified(tiles, n, cfg.m_block_size)
+        if why is None:
+            return cfg, None
+    return None, why
 
 
 class FA4RowsBackward:
@@ -200,13 +215,17 @@ class FA4RowsBackward:
         # a main kernel's rows start on a block: rows off one run from the block's first row, the rows
         # before theirs seeing nothing (an lse of +inf: every probability 0), from a copy of the lse
         self._lse_from: dict = {}   # a first row off the blocks -> that copy, from its block's first row
-        self._causal_cuts: dict = {}   # a causal tile's rows -> causal_cuts
-        for start in sorted({r for t in tiles for r in self._starts(t)}):
-            at = start // self.block * self.block
-            if at != start:
-                lse = self.lse_log2[:, :, at:].clone()
-                lse[:, :, :start - at] = math.inf
-                self._lse_from[start] = lse
+        for start in sorted({t.q_rows.start for t in tiles if t.q_rows.start % self.block}):
+            self._lse_from[start] = self._lse_before(start)
+
+    def _lse_before(self, start: int) -> torch.Tensor:
+        """The base-2 lse of the rows from ``start``'s block's first row on, +inf before ``start``.
+        The rows it blanks keep their q, dO and D, which are finite (every row of a rank is written by
+        its step 0), so their zero probabilities add exactly nothing."""
+        at = start // self.block * self.block
+        lse = self.lse_log2[:, :, at:].clone()
+        lse[:, :, :start - at] = math.inf
+        return lse
 
     def _scratch(self, k: torch.Tensor, v: torch.Tensor, dkv):
         """dK/dV outputs (q's dtype, ``[b, n_kv, g, d]``: ``dkv``'s when given, else scratch) and,
@@ -236,22 +255,6 @@ class FA4RowsBackward:
         dv_accum.zero_()
         return dk, dv, dk_accum, dv_accum
 
-    def _cuts(self, n_q: int, n_kv: int, band) -> tuple:
-        """Where a tile of ``n_q`` rows and ``n_kv`` keys seeing ``band`` (trimmed) is cut into pieces
-        (worked out once per tile shape: ``__init__`` asks for every tile's)."""
-        if not (self.causal_pieces and n_q == n_kv and self._window(band, n_q, n_kv)[0]):
-            return ()
-        if n_q not in self._causal_cuts:
-            self._causal_cuts[n_q] = causal_cuts(n_q, self.q.shape[0] * self.q.shape[2], self.cfg.n_block_size,
-                                                 self.block, self.sms)
-        return self._causal_cuts[n_q]
-
-    def _starts(self, tile) -> tuple:
-        """The first rows of the main kernels a ``plan.Tile`` runs (one a piece)."""
-        rows, n_kv = tile.q_rows, tile.kv_rows.stop - tile.kv_rows.start
-        cuts = self._cuts(rows.stop - rows.start, n_kv, trim_band(tile.band, rows.stop - rows.start, n_kv)[2])
-        return tuple(rows.start + k0 for k0 in (0, *cuts))
-
     def tile(self, rows: slice, k, v, band, sink, bias, *, first: bool, dkv=None) -> TileGrads:
         fa4, cfg = self.fa4, self.cfg
         direct = _writable(dkv, self.dtype)
@@ -259,7 +262,11 @@ class FA4RowsBackward:
         band = trim_band(band, n_q, n_kv)[2]
         k, v = fa4.maybe_contiguous(_bshd(k)), fa4.maybe_contiguous(_bshd(v))
         dk, dv, dk_accum, dv_accum = self._scratch(_bshd(k), _bshd(v), dkv if direct else None)
-        cuts = self._cuts(n_q, n_kv, band)
+        causal, _, _ = self._window(band, n_q, n_kv)
+        cuts = ()
+        if self.causal_pieces and causal and n_q == n_kv and rows.start % self.block == 0:   # pieces start on blocks
+            b, h = self.q.shape[0], self.q.shape[2]
+            cuts = causal_cuts(n_q, b * h, cfg.n_block_size, self.block, self.sms)
         bounds = (0, *cuts, n_kv)
         here = torch.cuda.current_stream(k.device)
         helpers = side_streams(here, len(cuts), "pieces") if cuts else []
@@ -307,6 +314,8 @@ class FA4RowsBackward:
         start, at = rows.start, rows.start // self.block * self.block
         rows, n_q = slice(at, rows.stop), rows.stop - at
         q_rounded = _round_up(n_q, self.block)
+        if at != start and start not in self._lse_from:   # a tile __init__ was not given
+            self._lse_from[start] = self._lse_before(start)
         lse_log2 = self._lse_from[start][:, :, :q_rounded] if at != start else self.lse_log2[:, :, at:at + q_rounded]
         dpsum = self.dpsum[:, :, at:at + q_rounded]
         dq_accum = self.dq_accum[:, :, at * self.d_rounded:(at + q_rounded) * self.d_rounded]
