@@ -12,6 +12,7 @@ receives, per (phase, step, kind, peer), are checked against the plan's (the byt
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -31,7 +32,7 @@ from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_
                        shares_storage, tolerance_for)
 from .cases import Case, Settings, a2a_members, expand
 from .errors import EXIT_FAILED, EXIT_OK
-from .launcher import RankInfo
+from .launcher import RankInfo, last_words
 from .output import Format, Output
 
 
@@ -274,33 +275,84 @@ class CaseProgress:
 
 def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: float, output: Output) -> int:
     """The body every rank runs over every settings group; rank 0 reports (and shows progress on a
-    terminal); exit 0 only if all passed."""
+    terminal); exit 0 only if all passed. A run that stops early (a case that fails or hangs in an
+    exchange, the run's own timeout) still has rank 0 report the cases it finished and where it
+    stopped, once, before the rank ends."""
     cases = [(settings, case) for settings in groups for case in expand(settings)]
-    results = []
-    with faults.injected(fault), CaseProgress.for_run(len(cases), info.rank, output) as progress:
+    results: list = []
+    running: list = []           # the case running (its label), for a report of a run that stopped
+    once, written = threading.Lock(), threading.Event()
+
+    def stopped(reason: str) -> None:   # the first caller reports; a second (the watchdog) waits for it
+        if not once.acquire(blocking=False):
+            written.wait(STOPPED_REPORT_S)
+            return
+        try:
+            report(list(results), False, info, groups[0], fault, output,
+                   stopped=Stopped(running[-1], len(results) + 1, len(cases), reason))
+        except Exception as exc:   # the run's own error is the one to show
+            print(f"sinkprof: no report of the finished cases: {exc}", file=sys.stderr, flush=True)
+        finally:
+            written.set()
+
+    with faults.injected(fault), CaseProgress.for_run(len(cases), info.rank, output) as progress, \
+            last_words(stopped if info.rank == 0 else None):
         for settings, case in cases:
             progress.start(case.label)
-            results.append(run_case(case, info, settings.seed, settings.backend, timeout))
+            running.append(case.label)
+            try:
+                results.append(run_case(case, info, settings.seed, settings.backend, timeout))
+            except Exception as exc:
+                if info.rank == 0:
+                    stopped(str(exc))
+                raise
             progress.done()
     passed = all(r.passed for r in results)
-    if info.rank == 0:
+    if info.rank == 0 and once.acquire(blocking=False):
         report(results, passed, info, groups[0], fault, output)
     return EXIT_OK if passed else EXIT_FAILED
 
 
-def report(results: list, passed: bool, info: RankInfo, settings: Settings, fault, output: Output) -> None:
+STOPPED_REPORT_S = 30.0   # how long a rank ending the run waits for the report another thread writes
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """Where a run that did not finish stopped: the case running (its label), its number, the
+    cases there were, and why."""
+    case: str
+    number: int
+    of: int
+    reason: str
+
+    def line(self) -> str:
+        return f"stopped at case {self.number} of {self.of} ({self.case}): {self.reason}"
+
+
+def report(results: list, passed: bool, info: RankInfo, settings: Settings, fault, output: Output,
+           stopped: Optional[Stopped] = None) -> None:
+    """Rank 0's report: the cases' results (those finished, and ``stopped`` where the run stopped
+    early), as ``output`` asks."""
     doc = {"passed": passed, "cp": info.world, "device": str(info.device), "dist_backend": info.backend,
            "fault": fault.value if fault else None, "seed": settings.seed,
+           "stopped": asdict(stopped) if stopped else None,
            "cases": [r.to_json() for r in results]}
 
     def table(console):
         title = (f"sinkprof check: cp={info.world} on {info.device} ({info.backend})"
                  + (f", injected fault {fault.value}" if fault else ""))
-        render_table(results, title, console)
+        from rich.text import Text
+        if results:
+            render_table(results, title, console)
+        else:
+            console.print(Text(title, style="bold"))
+        if stopped:
+            console.print(Text(stopped.line(), style="red"))
 
     output.emit(doc=doc, table=table)
     if output.to_file:
-        print(f"sinkprof check: {'passed' if passed else 'FAILED'}; wrote {output.path}")
+        how = "passed" if passed else f"FAILED ({stopped.line()})" if stopped else "FAILED"
+        print(f"sinkprof check: {how}; wrote {output.path}", flush=True)
 
 
 # The tensors whose error is a ratio to the tolerance; the others ("comm", "reference") pass or fail.

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -90,9 +91,26 @@ def _die_with_parent() -> None:
         pass                                     # not Linux: the watchdog watches the parent
 
 
+_LAST_WORDS: list = []   # called with the reason before this rank's watchdog ends the run (``last_words``)
+
+
+@contextlib.contextmanager
+def last_words(fn: Optional[Callable[[str], None]]):
+    """While inside, ``fn(reason)`` runs before the watchdog ends this rank for outliving the run's
+    time (a job's report of what it finished); ``None``: nothing."""
+    if fn is None:
+        yield
+        return
+    _LAST_WORDS.append(fn)
+    try:
+        yield
+    finally:
+        _LAST_WORDS.remove(fn)
+
+
 class Watchdog:
-    """Kills this rank with a report when the whole run outlives ``seconds``, and quietly when the
-    process that launched it (``parent``) is gone."""
+    """Kills this rank with a report when the whole run outlives ``seconds`` (``last_words`` first),
+    and quietly when the process that launched it (``parent``) is gone."""
 
     def __init__(self, seconds: float, rank: int, parent: Optional[int] = None):
         self.seconds, self.rank, self.parent = seconds, rank, parent
@@ -105,8 +123,14 @@ class Watchdog:
             if self.parent is not None and os.getppid() != self.parent:
                 os._exit(EXIT_FAILED)            # orphaned: nobody reads our results
             if time.monotonic() >= deadline:
-                print(f"sinkprof: rank {self.rank}: run timed out after {self.seconds:g}s, hung at {where}",
-                      file=sys.stderr, flush=True)
+                what = f"run timed out after {self.seconds:g}s, hung at {where}"
+                print(f"sinkprof: rank {self.rank}: {what}", file=sys.stderr, flush=True)
+                for fn in list(_LAST_WORDS):
+                    try:
+                        fn(f"the {what} (--run-timeout)")
+                    except Exception as exc:   # the rank ends anyway; say why nothing more came
+                        print(f"sinkprof: rank {self.rank}: no report of the finished cases: {exc}",
+                              file=sys.stderr, flush=True)
                 os._exit(EXIT_FAILED)
 
     def stop(self) -> None:
