@@ -94,14 +94,14 @@ def test_a_stuck_or_dead_rank_fails_the_run_within_its_timeout(cli, fault):
 def test_a_run_that_stops_at_a_failed_exchange_reports_the_cases_it_finished(cli):
     """a2a runs no ring, so its case finishes; the p2p case after it stalls in its first exchange."""
     res = cli("check", "--comm", "a2a,p2p", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp64",
-                  "--inject", "stall", "--timeout", "5", "--run-timeout", "60", "--format", "json")
+              "--inject", "stall", "--timeout", "15", "--run-timeout", "60", "--format", "json")
     assert res.returncode == 1
     doc = json.loads(res.stdout)
     assert doc["passed"] is False
     assert [(c["comm"], c["passed"]) for c in doc["cases"]] == [("a2a", True)]
     stopped = doc["stopped"]
     assert (stopped["number"], stopped["of"]) == (2, 2) and stopped["case"].startswith("p2p/learnable")
-    assert "fwd step 0 kv exchange" in stopped["reason"] and "timeout 5s" in stopped["reason"]
+    assert "fwd step 0 kv exchange" in stopped["reason"] and "timeout 15s" in stopped["reason"]
 
 
 def test_a_run_that_outlives_its_run_timeout_reports_the_cases_it_finished_to_its_output(cli, tmp_path):
@@ -109,7 +109,7 @@ def test_a_run_that_outlives_its_run_timeout_reports_the_cases_it_finished_to_it
     whose exchange broke when a peer's watchdog ended that peer does)."""
     out = tmp_path / "check.txt"
     res = cli("check", "--comm", "a2a,p2p", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp64",
-                  "--inject", "stall", "--timeout", "60", "--run-timeout", "15", "--output", str(out))
+              "--inject", "stall", "--timeout", "60", "--run-timeout", "30", "--output", str(out))
     assert res.returncode == 1
     text = out.read_text()
     assert "1 passed, 0 failed" in text and "stopped at case 2 of 2 (p2p/learnable" in text

@@ -8,6 +8,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -16,7 +17,8 @@ from rich.console import Console
 
 from sinkprof.testing import Error, Tolerance
 from sinkprof.tool.cases import Settings, expand
-from sinkprof.tool.check import CaseProgress, CaseResult, case_parts, render_table, report, split_parts
+from sinkprof.tool.check import (CaseProgress, CaseResult, ReportOnce, Stopped, case_parts, render_table, report,
+                                 split_parts)
 from sinkprof.tool.launcher import RankInfo
 from sinkprof.tool.output import Format, Output
 
@@ -86,10 +88,49 @@ def test_json_report_keeps_every_tensor_error(capsys):
     info = RankInfo(rank=0, world=4, local_rank=0, device=torch.device("cpu"), backend="gloo")
     report(results, False, info, Settings(), None, Output(Format.JSON))
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"passed", "cp", "device", "dist_backend", "fault", "seed", "cases"}
+    assert set(doc) == {"passed", "cp", "device", "dist_backend", "fault", "seed", "stopped", "cases"}
+    assert doc["stopped"] is None
     assert doc["cases"][3]["errors"]["d_sink"] == {"max_abs": 3.1e-3, "worst": 1.7, "passed": False}
     assert doc["cases"][0]["errors"]["out"]["max_abs"] == 1.234e-5
     assert doc["cases"][0]["tolerance"] == {"atol": 1e-5, "rtol": 1e-5}
+
+
+def test_a_report_of_a_run_that_stopped_says_where_and_why(capsys, tmp_path):
+    results = _results()[:2]
+    info = RankInfo(rank=0, world=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    stopped = Stopped("p2p/learnable/x", 3, 7, "a reason with [/] in it")
+    report(results, False, info, Settings(), None, Output(Format.JSON), stopped=stopped)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["passed"] is False and len(doc["cases"]) == 2
+    assert doc["stopped"] == {"case": "p2p/learnable/x", "number": 3, "of": 7, "reason": "a reason with [/] in it"}
+    out = tmp_path / "report.txt"
+    report([], False, info, Settings(), None, Output(Format.TABLE, str(out)), stopped=stopped)
+    lines = out.read_text().splitlines()
+    assert lines[1:] == ["0 passed, 0 failed", "stopped at case 3 of 7 (p2p/learnable/x): a reason with [/] in it"]
+    assert "FAILED (stopped at case 3 of 7" in capsys.readouterr().out
+    assert Stopped(None, 8, 7, "late").line() == "stopped after its last case (7): late"
+
+
+def test_one_report_whichever_thread_asks_first():
+    """The second caller waits for the first's report and makes none."""
+    import threading
+    made, release = [], threading.Event()
+
+    def emit(done, stopped):
+        release.wait(5)
+        made.append((list(done), stopped))
+    once = ReportOnce(emit)
+    first = threading.Thread(target=lambda: once.write([1], "stopped"))
+    first.start()
+    time.sleep(0.1)
+    waiter = threading.Thread(target=lambda: made.append(("second", once.write([1, 2], None))))
+    waiter.start()
+    time.sleep(0.1)
+    assert made == []                # the second caller waits while the first writes
+    release.set()
+    first.join(5)
+    waiter.join(5)
+    assert made == [([1], "stopped"), ("second", False)]
 
 
 def test_progress_on_a_terminal_counts_cases_and_names_the_one_running():

@@ -1,4 +1,5 @@
 """The self-launched ranks stay local, stop with their parent, and agree on the configuration."""
+import json
 import os
 import signal
 import socket
@@ -79,6 +80,27 @@ def test_ranks_listen_on_loopback_only_and_stop_with_a_signal_to_the_parent(sign
         assert f"stopped by {signal.Signals(signum).name}" in err
         time.sleep(0.5)
         assert not any(_alive(r) for r in ranks)
+    finally:
+        proc.kill()
+        for r in ranks:
+            if _alive(r):
+                os.kill(r, signal.SIGKILL)
+
+
+def test_a_run_stopped_by_sigterm_reports_the_cases_it_finished():
+    """The parent's SIGTERM reaches the ranks; rank 0, stuck in the p2p case's exchange, reports
+    the a2a case before it (no ring: it finishes) and where it was stopped, and the run ends 143."""
+    proc, ranks, _ = _start_stalled_run(extra=("--comm", "a2a,p2p", "--format", "json"))
+    try:
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 143, err
+        doc = json.loads(out)
+        assert doc["passed"] is False and "stopped by SIGTERM" in doc["stopped"]["reason"]
+        assert (doc["stopped"]["number"], doc["stopped"]["of"]) == (len(doc["cases"]) + 1, 2)
+        assert all(c["comm"] == "a2a" and c["passed"] for c in doc["cases"])
+        assert "Traceback" not in err
     finally:
         proc.kill()
         for r in ranks:

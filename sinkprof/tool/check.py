@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .. import faults
 from ..context_parallel import comm_for, cp_attention, cp_groups
-from ..dist import where
+from ..dist import CommError, where
 from ..faults import Fault
 from ..kernels import get_kernel
 from ..options import CommType, DTYPES, SinkGrad
@@ -268,65 +268,84 @@ class CaseProgress:
         if self._bar is not None:
             self._bar.advance(self._task)
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """The bar gone (before a report; again at the end: nothing)."""
         if self._bar is not None:
             self._bar.stop()
+            self._bar = None
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: float, output: Output) -> int:
     """The body every rank runs over every settings group; rank 0 reports (and shows progress on a
     terminal); exit 0 only if all passed. A run that stops early (a case that fails or hangs in an
-    exchange, the run's own timeout) still has rank 0 report the cases it finished and where it
-    stopped, once, before the rank ends."""
+    exchange, the run's own timeout, a SIGTERM) still has rank 0 report the cases it finished and
+    where it stopped: one report, whichever thread comes first (``ReportOnce``)."""
     cases = [(settings, case) for settings in groups for case in expand(settings)]
     results: list = []
-    running: list = []           # the case running (its label), for a report of a run that stopped
-    once, written = threading.Lock(), threading.Event()
+    with faults.injected(fault), CaseProgress.for_run(len(cases), info.rank, output) as progress:
+        once = ReportOnce(lambda done, stopped: (progress.stop(), report(done, stopped is None and all(
+            r.passed for r in done), info, groups[0], fault, output, stopped=stopped)))
 
-    def stopped(reason: str) -> None:   # the first caller reports; a second (the watchdog) waits for it
-        if not once.acquire(blocking=False):
-            written.wait(STOPPED_REPORT_S)
-            return
+        def report_stopped(reason: str) -> None:
+            done = list(results)
+            label = cases[len(done)][1].label if len(done) < len(cases) else None
+            once.write(done, Stopped(label, len(done) + 1, len(cases), reason))
+
+        with last_words(report_stopped if info.rank == 0 else None):
+            for settings, case in cases:
+                progress.start(case.label)
+                try:
+                    results.append(run_case(case, info, settings.seed, settings.backend, timeout))
+                except Exception as exc:
+                    if info.rank == 0:
+                        report_stopped(str(exc) if isinstance(exc, CommError) else f"{type(exc).__name__}: {exc}")
+                    raise
+                progress.done()
+    if info.rank == 0 and not once.write(results, None):
+        return EXIT_FAILED   # the run's timeout came first, and reported it
+    return EXIT_OK if all(r.passed for r in results) else EXIT_FAILED
+
+
+class ReportOnce:
+    """Rank 0's one report, from whichever thread asks first (the main one at the end of the run or
+    on an error, the watchdog or a SIGTERM ending the rank); a later caller waits until it is
+    written, so the rank never ends in the middle of it."""
+
+    def __init__(self, emit):
+        self._emit, self._lock, self._written = emit, threading.Lock(), threading.Event()
+
+    def write(self, done: list, stopped: Optional["Stopped"]) -> bool:
+        """Emit ``done`` (and ``stopped``) unless a report was made; True when this call made it."""
+        if not self._lock.acquire(blocking=False):
+            self._written.wait()
+            return False
         try:
-            report(list(results), False, info, groups[0], fault, output,
-                   stopped=Stopped(running[-1], len(results) + 1, len(cases), reason))
+            self._emit(done, stopped)
         except Exception as exc:   # the run's own error is the one to show
-            print(f"sinkprof: no report of the finished cases: {exc}", file=sys.stderr, flush=True)
-        finally:
-            written.set()
-
-    with faults.injected(fault), CaseProgress.for_run(len(cases), info.rank, output) as progress, \
-            last_words(stopped if info.rank == 0 else None):
-        for settings, case in cases:
-            progress.start(case.label)
-            running.append(case.label)
-            try:
-                results.append(run_case(case, info, settings.seed, settings.backend, timeout))
-            except Exception as exc:
-                if info.rank == 0:
-                    stopped(str(exc))
+            if stopped is None:
                 raise
-            progress.done()
-    passed = all(r.passed for r in results)
-    if info.rank == 0 and once.acquire(blocking=False):
-        report(results, passed, info, groups[0], fault, output)
-    return EXIT_OK if passed else EXIT_FAILED
-
-
-STOPPED_REPORT_S = 30.0   # how long a rank ending the run waits for the report another thread writes
+            print(f"sinkprof: rank 0: no report of the finished cases: {exc}", file=sys.stderr, flush=True)
+        finally:
+            self._written.set()
+        return True
 
 
 @dataclass(frozen=True)
 class Stopped:
-    """Where a run that did not finish stopped: the case running (its label), its number, the
-    cases there were, and why."""
-    case: str
+    """Where a run that did not finish stopped: the case running (its label; None after the last),
+    its number, the cases there were, and why."""
+    case: Optional[str]
     number: int
     of: int
     reason: str
 
     def line(self) -> str:
-        return f"stopped at case {self.number} of {self.of} ({self.case}): {self.reason}"
+        where = (f"at case {self.number} of {self.of} ({self.case})" if self.case is not None
+                 else f"after its last case ({self.of})")
+        return f"stopped {where}: {self.reason}"
 
 
 def report(results: list, passed: bool, info: RankInfo, settings: Settings, fault, output: Output,
@@ -346,12 +365,16 @@ def report(results: list, passed: bool, info: RankInfo, settings: Settings, faul
             render_table(results, title, console)
         else:
             console.print(Text(title, style="bold"))
+            console.print("0 passed, 0 failed")
         if stopped:
             console.print(Text(stopped.line(), style="red"))
 
     output.emit(doc=doc, table=table)
     if output.to_file:
-        how = "passed" if passed else f"FAILED ({stopped.line()})" if stopped else "FAILED"
+        if passed:
+            how = "passed"
+        else:
+            how = f"FAILED ({stopped.line()})" if stopped else "FAILED"
         print(f"sinkprof check: {how}; wrote {output.path}", flush=True)
 
 

@@ -108,6 +108,35 @@ def last_words(fn: Optional[Callable[[str], None]]):
         _LAST_WORDS.remove(fn)
 
 
+def _say_last_words(rank: int, reason: str) -> None:
+    for fn in list(_LAST_WORDS):
+        try:
+            fn(reason)
+        except Exception as exc:   # the rank ends anyway; say why nothing more came
+            print(f"sinkprof: rank {rank}: no report of the finished cases: {exc}", file=sys.stderr, flush=True)
+
+
+def _last_words_on_sigterm(rank: int) -> None:
+    """A SIGTERM (torchrun stopping its workers when one failed, the launcher stopping its ranks,
+    a job scheduler's time limit) ends this rank after its ``last_words``: a thread woken through
+    the signal's wakeup fd says them, since a Python handler runs only once the main thread is out
+    of a blocking wait. Only the main thread can set the signal's handling: elsewhere, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)   # the wakeup fd does the work
+
+    def watch() -> None:
+        while signal.SIGTERM not in os.read(read, 64):
+            pass
+        _say_last_words(rank, f"the rank was stopped by SIGTERM at {where}")
+        sys.stdout.flush()
+        os._exit(128 + signal.SIGTERM)
+    threading.Thread(target=watch, daemon=True).start()
+
+
 class Watchdog:
     """Kills this rank with a report when the whole run outlives ``seconds`` (``last_words`` first),
     and quietly when the process that launched it (``parent``) is gone."""
@@ -125,12 +154,8 @@ class Watchdog:
             if time.monotonic() >= deadline:
                 what = f"run timed out after {self.seconds:g}s, hung at {where}"
                 print(f"sinkprof: rank {self.rank}: {what}", file=sys.stderr, flush=True)
-                for fn in list(_LAST_WORDS):
-                    try:
-                        fn(f"the {what} (--run-timeout)")
-                    except Exception as exc:   # the rank ends anyway; say why nothing more came
-                        print(f"sinkprof: rank {self.rank}: no report of the finished cases: {exc}",
-                              file=sys.stderr, flush=True)
+                _say_last_words(self.rank, f"the {what} (--run-timeout)")
+                sys.stdout.flush()
                 os._exit(EXIT_FAILED)
 
     def stop(self) -> None:
@@ -163,6 +188,7 @@ def _rank_main(job: Callable, args, device: str, backend: str, timeout: float, r
     rank = int(os.environ.get("RANK", 0))
     parent = int(os.environ[PARENT_ENV]) if PARENT_ENV in os.environ else None
     dog = Watchdog(run_timeout, rank, parent)
+    _last_words_on_sigterm(rank)
     try:
         info = init_from_env(device, backend, timeout)
         where.phase, where.op = "setup", "comparing the ranks' options"
