@@ -8,7 +8,7 @@
 # Steps: tests check window scale bench kernels rings final session3 final3 pack packprof matrix_bf16 matrix_fp16
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
-# verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4
+# verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -480,6 +480,22 @@ for cp in 2 4; do   # <= 560 s each: issue 11's check matrix on fa4 at 2 or 4 ra
     done
   fi
 done
+if [[ $what == *" verify18 "* ]]; then   # <= 540 s: what has not run on a GPU since the eighteenth session's runs
+  # (8d1711e: choose_configuration's fallback, the left-bound rule, lse copies for the tiles' starts): the rows
+  # backward's and the pieces' tests, then check at head dim 128 (where the configurations differ) on one sequence,
+  # a thd pack (its documents' tiles end off the 80-row blocks: the masked configuration) and a window
+  run gpu_tests18v ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "rows_backward_matches or pieces or (beside and fa4)"
+  run check_fa4_d128_18v ${CHECK_S:-150} $SP check --device cuda --backend fa4 --ranks 2 --comm p2p,a2a --softmax all \
+      --mask all --kv-schedule all --dtype bf16 --sink-strategy all --sink-grad full --batch 1 --seq-len 8192 --heads 8 \
+      --kv-heads 8 --head-dim 128 --run-timeout 140 --format json --output "$OUT/check_fa4_d128_18v.json"
+  run check_fa4_thd_d128_18v ${THD_S:-100} $SP check --device cuda --backend fa4 --ranks 2 --qkv-format thd \
+      --seqlens 1536,2560,4096 --softmax learnable --mask causal --dtype bf16 --heads 8 --kv-heads 8 --head-dim 128 \
+      --run-timeout 90 --format json --output "$OUT/check_fa4_thd_d128_18v.json"
+  run check_fa4_window_d128_18v ${WINDOW_S:-80} $SP check --device cuda --backend fa4 --ranks 2 --comm p2p --softmax all \
+      --mask causal --window 1000,0 --dtype bf16 --sink-strategy all --sink-grad full --batch 1 --seq-len 8192 \
+      --heads 8 --kv-heads 8 --head-dim 128 --run-timeout 70 --format json --output "$OUT/check_fa4_window_d128_18v.json"
+fi
 if [[ $what == *" prof12 "* ]]; then   # <= 420 s: where the forward's time goes at cp 2 and 4 (the ring's own code
   # against its calls standalone: 0.91-0.92 against 0.97-0.98 in rings12), then issue 15's pack honestly fed
   run ring_prof12 200 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4" \
