@@ -286,8 +286,11 @@ def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: flo
     cases = [(settings, case) for settings in groups for case in expand(settings)]
     results: list = []
     with faults.injected(fault), CaseProgress.for_run(len(cases), info.rank, output) as progress:
-        once = ReportOnce(lambda done, stopped: (progress.stop(), report(done, stopped is None and all(
-            r.passed for r in done), info, groups[0], fault, output, stopped=stopped)))
+        def emit(done: list, stopped: Optional[Stopped]) -> None:
+            progress.stop()
+            passed = stopped is None and all(r.passed for r in done)
+            report(done, passed, info, groups[0], fault, output, stopped=stopped)
+        once = ReportOnce(emit)
 
         def report_stopped(reason: str) -> None:
             done = list(results)

@@ -91,13 +91,13 @@ def _die_with_parent() -> None:
         pass                                     # not Linux: the watchdog watches the parent
 
 
-_LAST_WORDS: list = []   # called with the reason before this rank's watchdog ends the run (``last_words``)
+_LAST_WORDS: list = []   # called with the reason before the watchdog or a SIGTERM ends this rank (``last_words``)
 
 
 @contextlib.contextmanager
 def last_words(fn: Optional[Callable[[str], None]]):
-    """While inside, ``fn(reason)`` runs before the watchdog ends this rank for outliving the run's
-    time (a job's report of what it finished); ``None``: nothing."""
+    """While inside, ``fn(reason)`` runs before the watchdog (the run outlived its time) or a SIGTERM
+    ends this rank: a job's report of what it finished; ``None``: nothing."""
     if fn is None:
         yield
         return
@@ -129,8 +129,9 @@ def _last_words_on_sigterm(rank: int) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: None)   # the wakeup fd does the work
 
     def watch() -> None:
-        while signal.SIGTERM not in os.read(read, 64):
-            pass
+        signals = b""
+        while signal.SIGTERM not in signals:   # the numbers of the signals that came, SIGINT's too
+            signals = os.read(read, 64)
         _say_last_words(rank, f"the rank was stopped by SIGTERM at {where}")
         sys.stdout.flush()
         os._exit(128 + signal.SIGTERM)
