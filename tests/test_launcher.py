@@ -1,11 +1,13 @@
 """The self-launched ranks stay local, stop with their parent, and agree on the configuration."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +103,41 @@ def test_a_run_stopped_by_sigterm_reports_the_cases_it_finished():
         assert (doc["stopped"]["number"], doc["stopped"]["of"]) == (len(doc["cases"]) + 1, 2)
         assert all(c["comm"] == "a2a" and c["passed"] for c in doc["cases"])
         assert "Traceback" not in err
+    finally:
+        proc.kill()
+        for r in ranks:
+            if _alive(r):
+                os.kill(r, signal.SIGKILL)
+
+
+def test_under_torchrun_a_sigterm_leaves_the_report_of_the_cases_it_finished(tmp_path):
+    """torchrun forwards its SIGTERM to the workers (a scheduler's stop, Ctrl-C's cousin); rank 0,
+    stuck in the p2p case's exchange, still writes the a2a case and where the run stopped."""
+    script = shutil.which("sinkprof") or str(Path(sys.executable).parent / "sinkprof")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    out = tmp_path / "check.json"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "--no-python", script, "check", "--comm", "a2a,p2p", "--softmax", "learnable", "--mask",
+                             "causal", "--dtype", "fp64", "--inject", "stall", "--timeout", "60", "--format", "json",
+                             "--output", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:       # the workers hold their gloo sockets: the a2a case runs
+            ranks = [c for c in _children(proc.pid) if "sinkprof" in open(f"/proc/{c}/cmdline").read()]
+            if len(ranks) == 2 and len(_listening(ranks)) >= 2:
+                break
+            time.sleep(0.2)
+        assert len(ranks) == 2, "the workers did not start"
+        time.sleep(3.0)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        doc = json.loads(out.read_text())
+        assert doc["passed"] is False and "stopped by SIGTERM" in doc["stopped"]["reason"], doc["stopped"]
+        assert (doc["stopped"]["number"], doc["stopped"]["of"]) == (len(doc["cases"]) + 1, 2)
+        assert all(c["comm"] == "a2a" and c["passed"] for c in doc["cases"])
     finally:
         proc.kill()
         for r in ranks:
