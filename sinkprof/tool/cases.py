@@ -244,7 +244,7 @@ def merge_layers(layers: list) -> dict:
     return merged
 
 
-LIST_FIELDS = ("comm", "softmax", "mask", "qkv_format", "dtype", "sink_strategy", "sink_grad")
+LIST_FIELDS = ("comm", "softmax", "mask", "qkv_format", "dtype", "sink_strategy", "sink_grad", "kv_schedule")
 
 
 def option(name: str) -> str:
@@ -307,13 +307,18 @@ class Case:
 
 
 def expand(settings: Settings) -> list[Case]:
-    """The cross product of the settings' lists; sink options only multiply cases that have a sink.
+    """The cross product of the settings' lists; sink options only multiply cases that have a sink,
+    and K/V schedules only cases that run a ring (a2a runs none: its cases take ``auto``, once).
     A thd case is the pack of ``settings.documents()`` with ``b = 1`` and no bias."""
     docs = settings.documents() if settings.thd else ()
     cases = []
     for comm, softmax, mask, fmt, dtype, kv in itertools.product(settings.comm, settings.softmax, settings.mask,
                                                                  settings.qkv_format, settings.dtype,
                                                                  settings.kv_schedule):
+        if CommType.parse(comm, "comm") is CommType.A2A:
+            if kv != settings.kv_schedule[0]:
+                continue
+            kv = KVSchedule.AUTO.value
         sm = SoftmaxType.parse(softmax, "softmax")
         fmt = QKVFormat.parse(fmt, "qkv_format")
         thd = fmt is QKVFormat.THD
