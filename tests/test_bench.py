@@ -208,3 +208,11 @@ def test_an_exchange_under_two_steps_computing_at_once_overlaps_their_union_once
     kv, = [r for r in overlap_rows([row("compute", 0, 0.0, 10.0), row("compute", 1, 2.0, 14.0),
                                     row("kv", 1, 1.0, 16.0)]) if r["kind"] == "kv"]
     assert kv["overlap_ms"] == 13.0 and kv["exposed_ms"] == 2.0         # 1-14 under either, 14-16 under none
+
+
+def test_bench_refuses_a_trace_it_would_not_write_or_that_is_its_csv(tmp_path):
+    with pytest.raises(ValueError, match="--simulate run replays them on one process and writes no trace"):
+        BenchOptions(trace=str(tmp_path / "traces"), simulate=(2,))
+    with pytest.raises(ValueError, match="name the same path"):
+        BenchOptions(csv=str(tmp_path / "same"), trace=str(tmp_path / "same"))
+    assert not (tmp_path / "traces").exists() and not (tmp_path / "same").exists()

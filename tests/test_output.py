@@ -1,9 +1,13 @@
 """The one output path: symlinks, devices and FIFOs, the umask, ``-``, ``FILE.partial``."""
 import csv
+import errno
 import io
+import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -11,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sinkprof.cli import app
-from sinkprof.tool.output import CsvStream, Format, Output, OutputError, write_text
+from sinkprof.tool.output import CsvStream, Format, Output, OutputError, check_folder, check_writable, write_text
 
 COLUMNS = ["a", "b"]
 
@@ -114,3 +118,55 @@ def test_a_failed_whole_write_names_the_file(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputError, match="cannot write"):
         write_text(tmp_path / "file" / "sub" / "out.json", "{}")
+
+
+def test_dev_stdout_writes_the_stream_when_it_is_a_pipe_or_a_file(tmp_path):
+    """/dev/stdout resolves to pipe:[N] for a pipe, and to the file for a redirect: both are the
+    process's open stdout, written in place (appended after what was printed), never replaced."""
+    code = ("import sys; from sinkprof.tool.output import check_writable, write_text; print('table'); "
+            "sys.stdout.flush(); check_writable('/dev/stdout', '--output'); write_text('/dev/stdout', 'doc\\n')")
+    piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == "table\ndoc\n"
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        res = subprocess.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert out.read_text() == "table\ndoc\n" and not list(tmp_path.glob(".*tmp*"))
+
+
+@pytest.mark.parametrize("check", [check_writable, check_folder])
+def test_paths_the_system_refuses_are_usage_errors_naming_the_option(tmp_path, check):
+    loop_a, loop_b = tmp_path / "a", tmp_path / "b"
+    loop_a.symlink_to(loop_b)
+    loop_b.symlink_to(loop_a)
+    for path, says in ((loop_a, "a loop of symbolic links"), (tmp_path / ("x" * 300), "File name too long"),
+                       ("", "--out ''")):
+        with pytest.raises(ValueError, match="--out") as err:
+            check(str(path), "--out")
+        assert says in str(err.value)
+    assert loop_a.is_symlink() and loop_b.is_symlink()
+
+
+def test_a_disk_full_keeps_the_rows_written_before_and_says_where(tmp_path, monkeypatch):
+    """When the rows cannot be written again either, FILE.partial keeps those written before, and
+    the message says so (it used to point at an empty FILE.partial beside a FILE.partial.1)."""
+    stream = CsvStream(tmp_path / "bench.csv", COLUMNS)
+    stream.append([{"a": 1, "b": 2}])
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(stream._csv, "writerows", full)
+    monkeypatch.setattr("sinkprof.tool.output.atomic_path", full)
+    with pytest.raises(OutputError, match="No space left.*bench.csv.partial holds those written before"):
+        stream.append([{"a": 3, "b": 4}])
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "bench.csv.partial").read_text())))
+    assert [r["a"] for r in rows] == ["1"] and not list(tmp_path.glob("*.partial.*"))
+
+
+def test_json_is_strict_with_non_finite_numbers_as_strings(tmp_path):
+    path = tmp_path / "doc.json"
+    Output(Format.JSON, str(path)).emit(doc={"worst": float("inf"), "errs": [float("-inf"), float("nan"), 1.5]})
+    text = path.read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    assert json.loads(text) == {"worst": "inf", "errs": ["-inf", "nan", 1.5]}

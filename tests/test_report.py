@@ -203,6 +203,13 @@ def test_chrome_trace_has_every_rank_as_a_process_with_compute_and_communication
     (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,inf\n", "column dur_ms"),
     (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,\n", "column dur_ms of data row 1 is empty"),
     (b"run_id,rank,iteration,phase,step,kind,dur_ms,start_ms\nr,0,0,fwd,0,compute,1,-Infinity\n", "column start_ms"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,-3,0,fwd,0,compute,1\n", "column rank of data row 1 is -3"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,-0.5\n", "column dur_ms of data row 1 is -0.5"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,1\nr,0,0,fwd,0,kv,1\nr,0,0,sideways,0,kv,1\n",
+     "column phase of data row 3 is 'sideways'"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,nap,1\n", "column kind of data row 1 is 'nap'"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms,b,s\nr,0,0,fwd,0,compute,1,2,64\nr,0,0,fwd,0,kv,1,2\n",
+     "data row 2 has 8 of the 9 columns (a file cut short?"),
 ])
 def test_report_refuses_what_is_not_a_bench_csv_naming_the_file(tmp_path, content, says):
     bad = tmp_path / "not-bench.csv"
@@ -410,3 +417,37 @@ def test_step_0_beside_the_next_step_counts_once_in_a_ranks_compute_and_is_drawn
     assert rank0[s1 - 0.5 * (e1 - s1)] == (pytest.approx(-0.2), 0.4)   # step 0
     assert all(v == (pytest.approx(0.2), 0.4) for left, v in rank0.items() if left != s1 - 0.5 * (e1 - s1))
     assert {height for y, _, height in bars if abs(y - lanes) < 0.5} == {0.8}   # rank 1: one bar a step
+
+
+def test_one_csv_given_twice_or_as_a_copy_is_refused_not_counted_twice(csvs, tmp_path):
+    """Each step's times would otherwise be summed over both: every number doubled."""
+    real = csvs[0]
+    link, copy = tmp_path / "link.csv", tmp_path / "copy.csv"
+    link.symlink_to(real)
+    shutil.copy(real, copy)
+    for args, says in (((real, real), "are the same file"), ((real, link), "are the same file"),
+                       ((real, copy), "(a copy?)")):
+        res = _report(*args)
+        assert res.exit_code == 2, res.output
+        assert says in " ".join(res.stderr.split())
+
+
+def test_the_page_and_the_trace_never_overwrite_an_input_or_each_other(csvs, tmp_path):
+    mine = tmp_path / "mine.csv"
+    shutil.copy(csvs[0], mine)
+    before = mine.read_bytes()
+    for args, says in ((("--html", mine), "--html"), (("--chrome-trace", mine), "--chrome-trace"),
+                       (("--html", tmp_path / "x", "--chrome-trace", tmp_path / "x"), "would both write")):
+        res = _report(mine, *args)
+        assert res.exit_code == 2, res.output
+        assert says in res.stderr
+    assert mine.read_bytes() == before and not (tmp_path / "x").exists()
+
+
+def test_the_files_are_written_before_the_tables(csvs, tmp_path):
+    """A pipe that closes after the first line (``| head -1``) still leaves the page and the trace."""
+    res = subprocess.run(f"{shutil.which('python3') and __import__('sys').executable} -m sinkprof report {csvs[0]} "
+                         f"--html {tmp_path / 'p.html'} --chrome-trace {tmp_path / 't.json'} | head -1",
+                         shell=True, capture_output=True, text=True, timeout=120)
+    assert (tmp_path / "p.html").stat().st_size > 0 and json.loads((tmp_path / "t.json").read_text())
+    assert "Traceback" not in res.stderr, res.stderr

@@ -36,9 +36,9 @@ from .cases import Case, Settings, expand, seqlens_text
 from .errors import EXIT_OK
 from .launcher import RankInfo
 from .linkmodel import Link, predict
-from .output import STDOUT, CsvStream, atomic_path
+from .output import STDOUT, CsvStream, atomic_path, same_target
+from .report import PHASES
 
-PHASES = ("fwd", "bwd", "fwdbwd")
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
 COLUMNS = ["run_id", "timestamp", "rank", "iteration", "phase", "step", "kind", "start_ms", "end_ms", "dur_ms",
            "overlap_ms", "exposed_ms", "bytes", "comm", "softmax", "sink_strategy", "mask", "window", "docs", "pack_layout", "dtype", "b", "s",
@@ -64,6 +64,12 @@ class BenchOptions:
             raise ValueError("--link predicts the communication of a --simulate run: give --simulate too")
         if self.phase not in PHASES:
             raise ValueError(f"--phase {self.phase!r}: use fwd, bwd or fwdbwd")
+        if self.trace is not None and self.simulate:
+            raise ValueError("--trace profiles the ranks of a real run; a --simulate run replays them on one "
+                             "process and writes no trace: drop --trace (or --simulate)")
+        if self.trace is not None and self.csv is not None and same_target(self.csv, self.trace):
+            raise ValueError(f"--csv {self.csv} and --trace {self.trace} name the same path: the CSV is a file, "
+                             f"the traces go into a folder; give them different paths")
         if self.fault not in (None, *RANK_FAILURES):
             raise ValueError(f"--inject {self.fault.value!r}: bench injects only stall or crash; "
                              f"the others belong to check")

@@ -13,9 +13,12 @@ from __future__ import annotations
 import contextlib
 import csv
 import enum
+import errno
 import io
 import json
+import math
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -55,13 +58,28 @@ def _umask() -> int:
 
 
 def target(path) -> Path:
-    """Where writing ``path`` lands: a symlink's target (the link itself stays a link)."""
-    return Path(os.path.realpath(path))
+    """Where writing ``path`` lands: a symlink's target (the link itself stays a link), or the path
+    itself when it names a process's open file (``/dev/stdout``, ``/dev/fd/1``)."""
+    return Path(path) if _open_file(path) else Path(os.path.realpath(path))
+
+
+def _open_file(path) -> bool:
+    """``path`` or a link on its way is an entry of ``/proc/PID/fd`` (``/dev/stdout`` and
+    ``/dev/fd/N`` lead there): an open file, a pipe's included, that the caller means as a stream."""
+    p = os.path.abspath(path)
+    for _ in range(40):   # the kernel's own limit on links followed
+        if re.fullmatch(r"/proc/[^/]+/fd", os.path.realpath(os.path.dirname(p))):
+            return True
+        if not os.path.islink(p):
+            return False
+        p = os.path.join(os.path.dirname(p), os.readlink(p))
+    return False
 
 
 def _in_place(path: Path) -> bool:
-    """A device, a FIFO or a socket: written as it is, never replaced by a regular file."""
-    return path.exists() and not path.is_file()
+    """A device, a FIFO, a socket or a process's open file: written as it is (appended to), never
+    replaced by a regular file."""
+    return path.exists() and (not path.is_file() or _open_file(path))
 
 
 @contextlib.contextmanager
@@ -92,24 +110,58 @@ def check_writable(path: Optional[str], option: str) -> None:
     ``option`` says why not. Creates the missing folders, as the write would."""
     if path is None or path == STDOUT:
         return
-    target = Path(os.path.realpath(path))
-    if target.is_dir():
-        raise ValueError(f"{option} {path}: is a folder; name a file in it")
-    if target.exists() and not target.is_file():   # a device or a FIFO: written in place
-        if not os.access(target, os.W_OK):
-            raise ValueError(f"{option} {path}: cannot be written (permission denied)")
-        return
-    _probe_folder(target.parent, option, path)
+    if path == "":
+        raise ValueError(f"{option} '': an empty path; name a file (or - for stdout)")
+    with _os_errors(option, path):
+        _loop_check(path, option)
+        where = target(path)
+        if where.is_dir():
+            raise ValueError(f"{option} {path}: is a folder; name a file in it")
+        if _in_place(where):   # a device, a FIFO, an open file: written in place
+            if not os.access(where, os.W_OK):
+                raise ValueError(f"{option} {path}: cannot be written (permission denied)")
+            return
+        _probe_folder(where.parent, option, path)
 
 
 def check_folder(path: Optional[str], option: str) -> None:
     """Before a run: files can be created in the folder ``path`` (created if missing)."""
     if path is None:
         return
-    target = Path(os.path.realpath(path))
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"{option} {path}: is a file, not a folder; name a folder")
-    _probe_folder(target, option, path)
+    if path in ("", STDOUT):
+        raise ValueError(f"{option} {path!r}: name a folder (pictures are files, they cannot go to stdout)")
+    with _os_errors(option, path):
+        _loop_check(path, option)
+        where = Path(os.path.realpath(path))
+        if where.exists() and not where.is_dir():
+            raise ValueError(f"{option} {path}: is a file, not a folder; name a folder")
+        _probe_folder(where, option, path)
+
+
+@contextlib.contextmanager
+def _os_errors(option: str, path: str):
+    """An OSError while looking at a path (a name too long, a folder that cannot be entered) as
+    the usage error it is."""
+    try:
+        yield
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: {exc.strerror or exc}; choose another path") from None
+
+
+def _loop_check(path: str, option: str) -> None:
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{option} {path}: a loop of symbolic links; point the link at a file or "
+                             f"choose another path") from None
+
+
+def same_target(a: str, b: str) -> bool:
+    """Whether writing ``a`` and ``b`` (neither ``-``) would land in the same place."""
+    if STDOUT in (a, b):
+        return False
+    return target(a) == target(b) or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
 
 
 def _probe_folder(folder: Path, option: str, path: str) -> None:
@@ -136,7 +188,7 @@ def write_text(path, text: str) -> Path:
         sys.stdout.flush()
         return Path(path)
     try:
-        with atomic_path(path) as tmp, open(tmp, "w") as f:
+        with atomic_path(path) as tmp, open(tmp, "a" if _in_place(tmp) else "w") as f:
             f.write(text)
             f.flush()
             if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
@@ -171,7 +223,7 @@ class Output:
         """Write the result: ``doc`` as JSON, ``rows`` (dicts) as CSV, ``table(console)`` printing
         rich renderables as a table."""
         if self.format is Format.JSON:
-            self._write(json.dumps(doc, indent=2) + "\n")
+            self._write(json.dumps(strict_json(doc), indent=2, allow_nan=False) + "\n")
         elif self.format is Format.CSV:
             import pandas as pd
             buf = io.StringIO()
@@ -192,6 +244,18 @@ class Output:
             sys.stdout.flush()
 
 
+def strict_json(value):
+    """``value`` with every non-finite float as the string ``"inf"``, ``"-inf"`` or ``"nan"``:
+    JSON has no such numbers, and strict parsers refuse Python's ``Infinity`` and ``NaN``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 class CsvStream:
     """CSV rows appended to ``FILE.partial`` as they come (flushed and synced each time); ``close``
     renames it to ``FILE``, ``abandon`` leaves it for a run that stopped.
@@ -210,7 +274,7 @@ class CsvStream:
         self.path = None if str(path) == STDOUT else target(path)
         if self.path is None or _in_place(self.path):
             self.partial = self.path
-            self._file = sys.stdout if self.path is None else open(self.path, "w", newline="")
+            self._file = sys.stdout if self.path is None else open(self.path, "a", newline="")
         else:
             self.partial = Path(str(self.path) + ".partial")
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -244,18 +308,23 @@ class CsvStream:
         """Write every row so far into a fresh ``FILE.partial`` (its folder recreated) and stop."""
         saved = ""
         if self.renames:
+            ours = _same_file(self.partial, self._file)
             with contextlib.suppress(OSError):
                 self._file.close()
             try:
-                self.partial.parent.mkdir(parents=True, exist_ok=True)
-                _move_aside(self.partial)
-                with _create(self.partial) as f:
+                if os.path.islink(self.partial):   # planted since: never followed
+                    _move_aside(self.partial)
+                with atomic_path(self.partial) as tmp, open(tmp, "w", newline="") as f:
                     w = csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore")
                     w.writeheader()
                     w.writerows(self._written)
+                    f.flush()
+                    os.fsync(f.fileno())
                 saved = f"; the {len(self._written)} row(s) so far are in {self.partial}"
             except OSError as again:
-                saved = f"; the rows so far could not be saved either ({again.strerror or again})"
+                saved = (f"; the rows could not be written again ({again.strerror or again}): {self.partial} "
+                         f"holds those written before, its last row possibly cut short" if ours else
+                         f"; the rows so far could not be saved either ({again.strerror or again})")
         raise OutputError(f"writing the CSV {self.partial} failed: {exc.strerror or exc}{saved}") from None
 
     def close(self) -> None:
@@ -274,6 +343,14 @@ class CsvStream:
         if self._file is not sys.stdout:
             with contextlib.suppress(OSError):
                 self._file.close()
+
+
+def _same_file(path: Path, file) -> bool:
+    """Whether ``path`` still names the open ``file`` (not removed, not replaced)."""
+    try:
+        return os.path.samestat(os.stat(path, follow_symlinks=False), os.fstat(file.fileno()))
+    except (OSError, ValueError):
+        return False
 
 
 def _create(path: Path):

@@ -13,6 +13,8 @@ drawn from the same loaded frame.
 """
 from __future__ import annotations
 
+import csv
+import os
 import re
 import sys
 from pathlib import Path
@@ -20,11 +22,12 @@ from typing import Optional
 
 import pandas as pd
 
-from .output import STDOUT, Output, atomic_path, write_text
+from .output import STDOUT, Output, atomic_path, same_target, write_text
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h", "g", "d", "cp",
              "kv_schedule", "backend", "simulated", "docs", "pack_layout"]
 COMM_KINDS = ("kv", "dkv", "a2a")
+PHASES = ("fwd", "bwd", "fwdbwd")
 STEP_KINDS = ("compute",) + COMM_KINDS    # the rows of one ring step (an iteration row has step -1)
 
 # What a bench CSV must hold, and what report fills in when a CSV of an older (or newer) version
@@ -65,14 +68,21 @@ def _read_one(path) -> pd.DataFrame:
         raise ValueError(f"{path}: a binary file, not a sinkprof bench CSV")
     try:
         df = pd.read_csv(p, keep_default_na=False, na_values=[""], dtype={c: str for c in TEXT_COLUMNS})
+        short = _short_row(p)
     except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise ValueError(f"{path}: not a sinkprof bench CSV ({str(exc).splitlines()[0]})") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"{path}: not a sinkprof bench CSV: missing columns {', '.join(missing)} "
                          f"(it has {', '.join(map(str, df.columns[:8]))}{' ...' if len(df.columns) > 8 else ''})")
     if df.empty:
         raise ValueError(f"{path}: a bench CSV header without rows")
+    if short is not None:
+        row, fields = short
+        raise ValueError(f"{path}: data row {row} has {fields} of the {len(df.columns)} columns (a file cut "
+                         f"short? a run that stopped leaves its rows whole in FILE.partial)")
     for col in INT_COLUMNS + FLOAT_COLUMNS:
         if col not in df.columns:
             continue
@@ -90,14 +100,47 @@ def _read_one(path) -> pd.DataFrame:
             raise ValueError(f"{path}: column {col} of data row {row + 1} is "
                              f"{'empty' if pd.isna(cell) else repr(cell) if isinstance(cell, str) else cell}, not a finite number")
         df[col] = values.astype("int64") if col in INT_COLUMNS else values.astype(float)
+    for col, allowed in (("phase", PHASES), ("kind", STEP_KINDS + ("iteration",))):
+        bad = ~df[col].isin(allowed)
+        if bad.any():
+            row = int(bad.to_numpy().nonzero()[0][0])
+            raise ValueError(f"{path}: column {col} of data row {row + 1} is {df[col].iloc[row]!r}, "
+                             f"not one of {', '.join(allowed)}")
+    for col, least in (("rank", 0), ("iteration", 0), ("step", -1), ("dur_ms", 0), ("bytes", 0), ("flops", 0)):
+        if col in df.columns and (df[col] < least).any():
+            row = int((df[col] < least).to_numpy().nonzero()[0][0])
+            raise ValueError(f"{path}: column {col} of data row {row + 1} is {df[col].iloc[row]:g}, "
+                             f"below its least value {least}")
     return df
+
+
+def _short_row(path: Path) -> Optional[tuple[int, int]]:
+    """The first data row (1-based) with fewer fields than the header, and its count of fields."""
+    with open(path, newline="") as f:
+        rows = csv.reader(f)
+        width = len(next(rows, []))
+        for n, row in enumerate(rows, 1):
+            if row and len(row) < width:
+                return n, len(row)
+    return None
 
 
 def load(paths) -> pd.DataFrame:
     """The rows of every CSV, with the optional columns an older CSV lacks filled in;
     ``df.attrs["absent"]``: per file (as given) the optional columns it lacked; ``df.attrs["runs"]``:
     per file the run ids it holds."""
+    for i, a in enumerate(paths):
+        for b in paths[:i]:
+            if os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b):
+                raise ValueError(f"{b} and {a} are the same file: give each CSV once")
     frames = [_read_one(p) for p in paths]
+    seen: dict = {}
+    for p, f in zip(paths, frames):
+        for run in f["run_id"].dropna().unique():
+            if run in seen:
+                raise ValueError(f"run {run} is in both {seen[run]} and {p} (a copy?): a run is one CSV, "
+                                 f"give it once")
+            seen[run] = p
     absent = {str(p): [c for c in OPTIONAL_COLUMNS if c not in f.columns] for p, f in zip(paths, frames)}
     runs = {str(p): set(f["run_id"].fillna("").astype(str)) for p, f in zip(paths, frames)}
     df = pd.concat(frames, ignore_index=True)
@@ -541,12 +584,10 @@ def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), htm
     """Summarise the CSVs; with ``plot_dir`` write the pictures (a timeline per case and phase,
     one summary across cases), with ``html`` one self-contained page, with ``chrome_trace`` one
     trace of every rank. Returns the paths written (not ``-``). When the page or the trace goes
-    to stdout, the tables are left out of it."""
-    if html == STDOUT and chrome_trace == STDOUT:
-        raise ValueError("--html - and --chrome-trace - would both write to stdout: give one of them a file")
+    to stdout, the tables are left out of it; otherwise they follow the files (a pipe that closes
+    early, ``| head``, then leaves the files written)."""
+    check_outputs(paths, html, chrome_trace)
     df = load(paths)
-    if STDOUT not in (html, chrome_trace):
-        output.emit(table=lambda console: summarize(df, console))
     written = []
     left_out = [what for what, wanted in (("timelines", plot_dir or html),
                                           ("Chrome trace events", chrome_trace)) if wanted]
@@ -572,4 +613,20 @@ def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), htm
         # allow_nan=False: never NaN or Infinity (not JSON; trace() leaves unknown numbers out)
         _write(chrome_trace, json.dumps(trace(df), separators=(",", ":"), allow_nan=False) + "\n")
         written += [chrome_trace] if chrome_trace != STDOUT else []
+    if STDOUT not in (html, chrome_trace):
+        output.emit(table=lambda console: summarize(df, console))
     return written
+
+
+def check_outputs(paths, html: Optional[str], chrome_trace: Optional[str]) -> None:
+    """The page and the trace go to different places, neither over an input CSV."""
+    if html is not None and chrome_trace is not None and (html == chrome_trace == STDOUT
+                                                          or same_target(html, chrome_trace)):
+        where = "stdout" if html == STDOUT else html
+        raise ValueError(f"--html {html} and --chrome-trace {chrome_trace} would both write {where}: "
+                         f"give them different files")
+    for option, out in (("--html", html), ("--chrome-trace", chrome_trace)):
+        for path in paths if out is not None else ():
+            if same_target(out, path):
+                raise ValueError(f"{option} {out} is the CSV {path} being read: it would be overwritten; "
+                                 f"write it elsewhere")
