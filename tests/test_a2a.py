@@ -87,4 +87,9 @@ def test_skipping_the_sink_head_slice_is_caught(cli):
 def test_a2a_with_heads_that_do_not_split_is_a_usage_error(cli):
     res = cli("check", "--comm", "a2a", "--ranks", "4", "--heads", "4", "--kv-heads", "2")
     assert res.returncode == 2
-    assert "h=4 and g=2 must both be divisible by 4" in res.stderr + res.stdout
+    message = " ".join(res.stderr.split())
+    assert "--comm a2a over 4 ranks splits the heads: --heads 4 and --kv-heads 2 must both be divisible by 4" in message
+    assert "or --comm a2a+p2p with an --a2a-size" in message and "Traceback" not in res.stderr
+    res = cli("check", "--comm", "a2a+p2p", "--a2a-size", "3", "--ranks", "2")
+    assert res.returncode == 2
+    assert "--a2a-size 3 must divide --ranks 2" in res.stderr and "use --a2a-size 2" in res.stderr

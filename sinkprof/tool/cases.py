@@ -18,7 +18,7 @@ import torch
 from ..dist import DEFAULT_TIMEOUT_S
 from ..kernels import unavailable_reason
 from ..options import (DTYPES, AttnSpec, Backend, CommType, KVSchedule, MaskType, PackLayout, QKVFormat, SinkGrad,
-                       SinkStrategy, SoftmaxType, check_a2a_size, check_heads, check_sink_strategy, make_spec,
+                       SinkStrategy, SoftmaxType, check_sink_strategy, make_spec,
                        parse_dtype, window_pair)
 from ..plan import spec_layout
 from ..testing import Shape
@@ -92,9 +92,17 @@ class Settings:
             except ValueError as exc:
                 raise ValueError(f"--window {','.join(map(str, self.window))}: {exc}") from None
         for comm in map(CommType, self.comm):
-            if comm is CommType.A2A_P2P:
-                check_a2a_size(self.a2a_size, self.ranks)
-            check_heads(self.heads, self.kv_heads, a2a_members(comm, self.ranks, self.a2a_size))
+            if comm is CommType.A2A_P2P and self.ranks % self.a2a_size:
+                fit = max(d for d in range(1, self.ranks + 1) if self.ranks % d == 0 and d <= self.a2a_size)
+                raise ValueError(f"--a2a-size {self.a2a_size} must divide --ranks {self.ranks} (a2a+p2p runs a "
+                                 f"ring of a2a groups of that size); use --a2a-size {fit}")
+            members = a2a_members(comm, self.ranks, self.a2a_size)
+            if self.heads % members or self.kv_heads % members:
+                fix = (f"use --heads and --kv-heads divisible by {members} (a2a splits them over every rank), "
+                       f"or --comm a2a+p2p with an --a2a-size that divides both" if comm is CommType.A2A else
+                       "use an --a2a-size that divides both")
+                raise ValueError(f"--comm {comm.value} over {members} ranks splits the heads: --heads {self.heads} "
+                                 f"and --kv-heads {self.kv_heads} must both be divisible by {members}; {fix}")
 
     def validate_pack(self) -> None:
         """The thd options: given only with thd, documents that sum to the pack and that every rank
