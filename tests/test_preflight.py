@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from sinkprof.cli import app
 from sinkprof.faults import Fault
+from sinkprof.options import KVSchedule
 from sinkprof.tool import launcher, preflight
 from sinkprof.tool.cases import Settings, expand
 
@@ -340,3 +341,60 @@ def test_the_largest_torch_tile_is_step_0s_on_the_outer_ring_with_the_heads_left
     assert tile["p2p"] == 3 * 4 * (2 * 512) ** 2 * 8        # a ring of 4: c = 512, all 4 heads
     assert tile["a2a"] == 3 * 1 * 4096 ** 2 * 8             # a ring of one rank on the whole sequence, 1 head
     assert tile["a2a+p2p"] == 3 * 2 * (2 * 1024) ** 2 * 8   # a ring of 2 (c = 1024), 2 heads
+
+
+def test_the_memory_check_gives_the_numbers_it_gave_when_it_asked_every_case_for_its_plan():
+    """The figures the check gave before it bounded ``auto`` by ring and direct (it built every
+    rank's plan for every case: 17 s at 256 ranks, hours at 1000): each case's (host, device) need,
+    and the refusal at 1 GiB free."""
+    before = [
+        (Settings(ranks=8, seq_len=512, heads=4, kv_heads=2, head_dim=16, dtype=("bf16",), mask=("causal",),
+                  window=(32, 0)), {(1966080, 71680000)},
+         "this run needs about 3.7 GiB of host memory (0.5 GiB per rank x 8 rank(s), largest case "
+         "p2p/vanilla/causal/bshd/bf16/window=32,0, s=512) and 1.0 GiB is available"),
+        (Settings(ranks=16, seq_len=2048, heads=2, kv_heads=2, head_dim=8, dtype=("fp16",), mask=("no_mask", "causal"),
+                  window=(100, -1)), {(2621440, 274530304)},
+         "this run needs about 10.4 GiB of host memory (0.6 GiB per rank x 16 rank(s), largest case "
+         "p2p/vanilla/no_mask/bshd/fp16/window=100,-1, s=2048) and 1.0 GiB is available"),
+        (Settings(ranks=8, seq_len=1024, heads=2, kv_heads=1, head_dim=8, dtype=("bf16",), mask=("causal",), bias=True,
+                  kv_schedule=("ring", "direct", "allgather", "auto")),
+         {(21954560, 187367424), (21954560, 187424768), (21954560, 193462272)},
+         "this run needs about 4.7 GiB of host memory (0.6 GiB per rank x 8 rank(s), largest case "
+         "p2p/vanilla/causal/bshd/bf16/bias/kv=allgather, s=1024) and 1.0 GiB is available"),
+        (Settings(ranks=4, seq_len=384, heads=2, kv_heads=2, head_dim=8, dtype=("bf16",), qkv_format=("thd",),
+                  seqlens=(128, 256)), {(245760, 10113024)},
+         "this run needs about 1.6 GiB of host memory (0.4 GiB per rank x 4 rank(s), largest case "
+         "p2p/vanilla/causal/thd/docs=128,256/bf16, s=384) and 1.0 GiB is available"),
+    ]
+    for settings, needs, refusal in before:
+        settings.validate()
+        assert {preflight.case_need(c, settings.ranks, True) for c in expand(settings)} == needs
+        with pytest.raises(ValueError) as refused:
+            preflight.check_memory([settings], settings.ranks, "cpu", True, host_free=2 ** 30)
+        assert str(refused.value).split(";")[0] == refusal
+
+
+def test_the_schedule_a_case_runs_is_known_without_its_plan_unless_auto_must_weigh_ring_and_direct(monkeypatch):
+    from sinkprof.tool.check import case_traffic
+    cases = [c for kv in ("ring", "direct", "allgather", "auto") for comm in ("p2p", "a2a", "a2a+p2p")
+             for c in expand(Settings(ranks=4, seq_len=128, heads=4, kv_heads=4, comm=(comm,), kv_schedule=(kv,),
+                                      mask=("causal", "no_mask"), window=(8, 0)))]
+    cases += expand(Settings(ranks=4, seq_len=384, qkv_format=("thd",), seqlens=(128, 256), pack_layout="balanced"))
+    planned = {c.label: (case_traffic(c, 4).schedule.kind if case_traffic(c, 4).schedule else None) for c in cases}
+    asked = []
+    real = preflight._case_schedule
+    monkeypatch.setattr(preflight, "_case_schedule", lambda case, ranks: asked.append(case.label) or real(case, ranks))
+    for c in cases:
+        assert preflight._ring_schedule(c, 4) is (planned[c.label] or KVSchedule.RING), c.label
+    assert asked and all("kv=" not in label and "docs=" not in label and "a2a/" not in label for label in asked)
+
+
+def test_a_run_of_1000_ranks_is_refused_at_once_without_any_plan(no_launch, monkeypatch):
+    """``check --ranks 1000`` ran for minutes building every rank's plan before its refusal."""
+    monkeypatch.setattr(preflight, "host_available", lambda: 64 * 2 ** 30)
+    monkeypatch.setattr(preflight, "_case_schedule", lambda case, ranks: pytest.fail("built the plan"))
+    start = time.monotonic()
+    out = _refused(["check", "--seq-len", "64000", "--ranks", "1000", "--heads", "2", "--head-dim", "8"],
+                   "of host memory", no_launch)
+    assert time.monotonic() - start < 2
+    assert "x 1000 rank(s)" in " ".join(out.split())

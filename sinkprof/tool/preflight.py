@@ -80,9 +80,29 @@ def _case_schedule(case: Case, ranks: int):
 
 
 def _ring_schedule(case: Case, ranks: int) -> KVSchedule:
-    """The K/V schedule ``case``'s ring runs (``auto`` resolved; ``ring`` where there is no ring)."""
-    schedule = _case_schedule(case, ranks)
-    return KVSchedule.RING if schedule is None else schedule.kind
+    """The K/V schedule ``case``'s ring runs (``ring`` where there is no ring): the one asked for;
+    ``auto`` resolved as ``schedule.comm_schedule`` does it, allgather for a pack in the balanced
+    layout, else ring or direct as the plan's bytes decide (every rank's plan: ``_kinds``)."""
+    ring = ring_ranks(case, ranks)
+    kind = KVSchedule.parse(case.kv_schedule, "kv_schedule")
+    if ring == 1:
+        return KVSchedule.RING
+    if kind is not KVSchedule.AUTO:
+        return kind
+    if spec_layout(case.spec(), case.shape.s, ring).kind is PackLayout.BALANCED:
+        return KVSchedule.ALLGATHER
+    return _case_schedule(case, ranks).kind
+
+
+def _kinds(case: Case, ranks: int) -> tuple[KVSchedule, ...]:
+    """The K/V schedules ``case``'s ring may run, known without its plan: the one it runs, or under
+    ``auto`` on a zigzag ring of two ranks or more, ring and direct (the bytes of every rank's plan
+    choose, which takes seconds at 64 ranks and hours at 1000)."""
+    ring = ring_ranks(case, ranks)
+    if (KVSchedule.parse(case.kv_schedule, "kv_schedule") is KVSchedule.AUTO and ring > 1
+            and spec_layout(case.spec(), case.shape.s, ring).kind is PackLayout.ZIGZAG):
+        return KVSchedule.RING, KVSchedule.DIRECT
+    return (_ring_schedule(case, ranks),)
 
 
 def sink_counted_again(spec: AttnSpec, s: int, ring: int, kv_schedule=KVSchedule.RING) -> bool:
@@ -171,9 +191,10 @@ def device_available() -> Optional[int]:
     return min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
 
 
-def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True) -> tuple[int, int]:
+def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True,
+              kind: Optional[KVSchedule] = None) -> tuple[int, int]:
     """(host, device) bytes one rank needs for ``case`` on a ring of ``ranks``, excluding its
-    process overhead.
+    process overhead, its ring running the K/V schedule ``kind`` (default: the one it runs).
 
     Host: the full-sequence fp64 inputs and their rounded copy (``make_inputs``). Device (the
     host when the run is on the CPU): the reference's fp64 inputs, results and one score block,
@@ -203,7 +224,7 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
     # the forward's buffers of later results (at most 2 a step, PARTS in all) and, when they merge more
     # than once, the fp32 accumulator (ring.ForwardState)
     device += o_local * (min(PARTS, 2 * (ring - 1)) * elem + (acc if ring - 1 > PARTS else 0))
-    kind = _ring_schedule(case, ranks) if ring > 1 else KVSchedule.RING
+    kind = (kind or _ring_schedule(case, ranks)) if ring > 1 else KVSchedule.RING
     gather = kind is KVSchedule.ALLGATHER
     if kind is KVSchedule.DIRECT:
         kv_row = sh.b * 2 * max(1, sh.g // members) * sh.d * elem
@@ -241,39 +262,66 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True)
 def check_memory(groups: list, ranks: int, device: str, reference: bool, procs: Optional[int] = None,
                  host_free: Optional[int] = None, device_free: Optional[int] = None) -> None:
     """Refuse a run that cannot fit: the largest case's need per rank of a ring of ``ranks``, times
-    the ``procs`` processes on this host (default: the ranks; ``bench --simulate`` runs one)."""
+    the ``procs`` processes on this host (default: the ranks; ``bench --simulate`` runs one).
+
+    A case under ``auto`` needs what ring needs, or more under direct (``_kinds``): its plan is asked
+    which one it runs only where the answer decides whether it fits; a refusal without the answer
+    tells the smaller need ("at least", where the larger would show otherwise)."""
     procs = ranks if procs is None else procs
     local = min(procs, int(os.environ.get("LOCAL_WORLD_SIZE", procs)))
-    host_need = dev_need = 0
-    worst = None
+    host_free = host_available() if host_free is None else host_free
+    if device == "cuda":
+        device_free = device_available() if device_free is None else device_free
+        per_gpu = math.ceil(local / max(1, torch.cuda.device_count())) if torch.cuda.is_available() else 1
+    else:
+        device_free, per_gpu = None, 1
+
+    def fits(need: tuple[int, int]) -> bool:
+        host, dev = need
+        return (host + RANK_OVERHEAD) * local <= host_free and (device_free is None or dev * per_gpu <= device_free)
+
+    bounds = []   # (case, its need under the schedule that needs least, and most)
     for settings in groups:
         scores = resolve_backend(settings.backend, device) is Backend.TORCH
         for case in expand(settings):
-            h, d = case_need(case, ranks, reference, scores)
-            if device == "cpu":
-                h, d = h + d, 0
-            if (h, d) > (host_need, dev_need):
-                worst = case
-            host_need, dev_need = max(host_need, h), max(dev_need, d)
+            needs = sorted(_placed(case_need(case, ranks, reference, scores, kind), device) for kind in _kinds(case, ranks))
+            if fits(needs[0]) and not fits(needs[-1]):   # the schedule it runs decides
+                needs = [_placed(case_need(case, ranks, reference, scores), device)]
+            bounds.append((case, needs[0], needs[-1]))
+    host_need = dev_need = host_most = dev_most = 0
+    worst = None
+    for case, least, most in bounds:
+        if least > (host_need, dev_need):
+            worst = case
+        host_need, dev_need = max(host_need, least[0]), max(dev_need, least[1])
+        host_most, dev_most = max(host_most, most[0]), max(dev_most, most[1])
     host_need += RANK_OVERHEAD
-    host_free = host_available() if host_free is None else host_free
     fix = ("lower --seq-len, --batch, --heads or --head-dim, drop --bias, or use fewer --ranks on one machine"
            if worst is None or not worst.docs else
            "shorten the pack or its longest document (--seqlens, or --seq-len with more --docs), lower --heads or "
            "--head-dim, or use fewer --ranks on one machine")
     if host_need * local > host_free:
-        raise ValueError(f"this run needs about {_gib(host_need * local)} of host memory ({_gib(host_need)} per rank "
-                         f"x {local} rank(s), largest case {worst.label if worst else '-'}, s={worst.shape.s if worst else '-'}) "
-                         f"and {_gib(host_free)} is available; {fix}")
-    if device == "cuda":
-        device_free = device_available() if device_free is None else device_free
-        if device_free is None:
-            return
-        per_gpu = math.ceil(local / max(1, torch.cuda.device_count())) if torch.cuda.is_available() else 1
-        if dev_need * per_gpu > device_free:
-            raise ValueError(f"this run needs about {_gib(dev_need * per_gpu)} of GPU memory per GPU "
-                             f"({_gib(dev_need)} per rank x {per_gpu} rank(s) per GPU) and {_gib(device_free)} is "
-                             f"free; {fix}")
+        about = _about(host_need * local, (host_most + RANK_OVERHEAD) * local)
+        raise ValueError(f"this run needs {about} {_gib(host_need * local)} of host memory ({_gib(host_need)} per "
+                         f"rank x {local} rank(s), largest case {worst.label if worst else '-'}, "
+                         f"s={worst.shape.s if worst else '-'}) and {_gib(host_free)} is available; {fix}")
+    if device_free is not None and dev_need * per_gpu > device_free:
+        about = _about(dev_need * per_gpu, dev_most * per_gpu)
+        raise ValueError(f"this run needs {about} {_gib(dev_need * per_gpu)} of GPU memory per GPU "
+                         f"({_gib(dev_need)} per rank x {per_gpu} rank(s) per GPU) and {_gib(device_free)} is "
+                         f"free; {fix}")
+
+
+def _about(least: int, most: int) -> str:
+    """How a need between ``least`` and ``most`` bytes is told: as ``least``, at least where the two differ
+    in the figures shown."""
+    return "about" if _gib(least) == _gib(most) else "at least about"
+
+
+def _placed(need: tuple[int, int], device: str) -> tuple[int, int]:
+    """A (host, device) need as it lands: all on the host when the run is on the CPU."""
+    host, dev = need
+    return (host + dev, 0) if device == "cpu" else (host, dev)
 
 
 def _gib(n: int) -> str:
