@@ -14,9 +14,9 @@ from typing import Callable, Optional
 import typer
 
 from . import __version__
-from .options import KVSchedule, MaskType, PackLayout, SinkStrategy
+from .options import KVSchedule, MaskType, PackLayout, SinkStrategy, check_seed
 from .tool.cases import CaseOptions
-from .tool.errors import Command
+from .tool.errors import Command, stdout_open
 from .tool import preflight
 from .tool.output import Format, Output, check_folder, check_writable
 
@@ -110,8 +110,8 @@ CASE_OPTIONS = [
     _option("dist_backend", str, "auto", "--dist-backend",
             help="auto (nccl with a GPU per rank, else gloo), gloo or nccl."),
     _option("seed", Optional[int], None, help="Seed of the CPU generator for all inputs."),
-    _option("timeout", float, 120.0, min=1.0, help="Seconds any one exchange or collective may take."),
-    _option("run_timeout", float, 900.0, "--run-timeout", min=1.0, help="Seconds the whole run may take."),
+    _option("timeout", float, 120.0, help="Seconds any one exchange or collective may take (1 to 365 days)."),
+    _option("run_timeout", float, 900.0, "--run-timeout", help="Seconds the whole run may take (1 to 365 days)."),
 ]
 
 
@@ -164,15 +164,19 @@ def check(
     """
     from .faults import Fault
     from .tool.check import check_job
-    from .tool.launcher import launch
+    from .tool.launcher import launch, torchrun_env
     from .tool.profiles import settings_for
 
+    torchrun_env()   # a broken torchrun environment is refused before anything reads it
+    preflight.check_values(case)
+    if output in (None, "-"):
+        stdout_open()
     out = Output(Format.parse(fmt, Format.TABLE, Format.JSON), output, width=200)
     fault = Fault.parse(inject, "--inject") if inject else None
     groups = settings_for(case)
     check_writable(output, "--output")
+    preflight.check_memory(groups, groups[0].ranks, groups[0].device, reference=True)   # first: quick, for any cp
     preflight.check_fault(fault, groups)
-    preflight.check_memory(groups, groups[0].ranks, groups[0].device, reference=True)
     config = _config("check", groups, case, **{"--inject": inject})
     raise typer.Exit(launch(check_job, (groups, fault, case.timeout, out), nproc=groups[0].ranks,
                             device=groups[0].device, backend=case.dist_backend, timeout=case.timeout,
@@ -204,10 +208,13 @@ def bench(
     from .faults import Fault
     from .tool.bench import BenchOptions, bench_job
     from .tool.bench import simulate as run_simulation
-    from .tool.launcher import launch
+    from .tool.launcher import launch, torchrun_env
     from .tool.linkmodel import parse_link
     from .tool.profiles import settings_for
 
+    torchrun_env()   # a broken torchrun environment is refused before anything reads it
+    preflight.check_values(case)
+    stdout_open()    # the summary goes there
     sims = tuple(split_list(simulate, "--simulate", positive_int)) if simulate else ()
     fault = Fault.parse(inject, "--inject") if inject else None
     opts = BenchOptions(warmup, iters, phase, csv_path, trace, use_nvtx, sims, fault, case.timeout,
@@ -215,9 +222,9 @@ def bench(
     groups = settings_for(case, ranks=1, cps=sims) if sims else settings_for(case)
     check_writable(csv_path, "--csv")
     check_folder(trace, "--trace")
-    preflight.check_fault(fault, groups)
     preflight.check_memory(groups, min(sims) if sims else groups[0].ranks, groups[0].device, reference=False,
                            procs=1 if sims else None)
+    preflight.check_fault(fault, groups)
     if sims:
         import torch
         raise typer.Exit(run_simulation(groups, opts, torch.device(groups[0].device)))
@@ -268,6 +275,9 @@ def emulate(
     from .tool.cases import parse_seqlens
     from .tool.emulate import only_allgather, pack, run
 
+    check_seed(seed, "--seed")
+    if output in (None, "-"):
+        stdout_open()
     cps = split_list(cp, "--cp", positive_int)
     formats = split_list(qkv_format, "--qkv-format", QKVFormat.parse, allowed=[f.value for f in QKVFormat])
     layout = PackLayout.parse(pack_layout, "--pack-layout")
@@ -303,6 +313,7 @@ def report(
     """
     import sys
     from .tool.report import report as run
+    stdout_open()    # the summary tables go there
     check_folder(plot, "--plot")
     check_writable(html, "--html")
     check_writable(chrome_trace, "--chrome-trace")
@@ -320,6 +331,7 @@ def doctor(
 ):
     """Show the environment and which comm x softmax x backend x dtype x layout cells run here."""
     from .tool.doctor import run
+    stdout_open()
     run(device, Output(Format.parse(fmt, Format.TABLE, Format.JSON)))
 
 
@@ -327,4 +339,5 @@ def doctor(
 def profiles(name: Optional[str] = typer.Argument(None, help="Show this profile's settings.")):
     """List the named run configurations, or show one."""
     from .tool.profiles import show
+    stdout_open()
     show(name, Output())

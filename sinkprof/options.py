@@ -237,14 +237,42 @@ class AttnSpec:
         return Band(None if left is None else -left, right)
 
 
+WINDOW_MAX = 2 ** 63 - 1   # a window side is a 64-bit signed integer in the kernels' masks
+
+
 def window_pair(window, arg: str = "window") -> tuple[int, int]:
-    """``(left, right)`` ints from a pair or a ``"LEFT,RIGHT"`` string (what a user types)."""
+    """``(left, right)`` ints from a pair or a ``"LEFT,RIGHT"`` string (what a user types), each
+    at most ``WINDOW_MAX``."""
     try:
         left, right = (int(w) for w in (window.split(",") if isinstance(window, str) else window))
     except (TypeError, ValueError):
         raise ValueError(f"{arg}={window!r} must be a pair LEFT,RIGHT of ints, -1 meaning unbounded "
                          f"(e.g. 128,0)") from None
+    for name, w in (("left", left), ("right", right)):
+        if w > WINDOW_MAX:
+            raise ValueError(f"{arg}={window!r}: {name} {w} is past the largest window, 2**63-1 = {WINDOW_MAX}; "
+                             f"use -1 for unbounded")
     return left, right
+
+
+SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)   # what torch.manual_seed (and a torch.Generator) accepts
+
+
+def check_seed(seed: int, arg: str = "seed") -> None:
+    """A seed torch's generators take."""
+    low, high = SEED_RANGE
+    if not low <= seed <= high:
+        raise ValueError(f"{arg} {seed} is out of range: torch's generators take a seed from -2**63 to 2**64-1 "
+                         f"({low}..{high})")
+
+
+TIMEOUT_MAX_S = 365 * 24 * 3600   # a year: well within datetime.timedelta and gloo's nanoseconds (2**63 ns)
+
+
+def check_timeout(seconds: float, arg: str = "timeout") -> None:
+    """A timeout in seconds from 1 to ``TIMEOUT_MAX_S`` (not NaN, not infinite)."""
+    if not 1 <= seconds <= TIMEOUT_MAX_S:
+        raise ValueError(f"{arg} {seconds:g}: give a number of seconds from 1 to {TIMEOUT_MAX_S} (365 days)")
 
 
 def parse_window(window, mask: MaskType) -> tuple[Optional[int], Optional[int]]:

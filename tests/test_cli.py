@@ -1,5 +1,8 @@
 """The command line through Typer's runner and through a real subprocess."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -208,3 +211,75 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
     csv.write_text("a\n")
     res = runner.invoke(app, ["report", str(csv), "--plot", str(tmp_path / "plots")])
     assert res.exit_code == 2 and "sinkprof[plots]" in res.output
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "RANK=0 and WORLD_SIZE=2 are set (a torchrun run) but MASTER_ADDR and "
+                                       "MASTER_PORT are not"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "but MASTER_PORT is not"),
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' must be an integer >= 1"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' must be an integer in 0..1"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 must be in 0..1 (WORLD_SIZE - 1 = 1)"),
+    ({"WORLD_SIZE": "4"}, "WORLD_SIZE=4 is set but RANK is not: torchrun sets both"),
+    ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE is not"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "abc"}, "LOCAL_WORLD_SIZE='abc' must be an integer in 1..2"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE=0 must be in 1..2"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
+])
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_a_broken_torchrun_environment_is_a_usage_error_naming_the_variable(monkeypatch, env, message, command):
+    """It was a traceback (no MASTER_ADDR; RANK >= WORLD_SIZE after --timeout), "invalid literal for
+    int()", "--ranks 0 must be >= 1" though --ranks was never given, or a self-launched run of 2."""
+    from sinkprof.tool import launcher
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: pytest.fail("a rank started"))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    res = runner.invoke(app, [command, "--seq-len", "64"])
+    assert res.exit_code == 2, res.output
+    assert message in " ".join(res.output.split()), res.output
+
+
+def test_ctrl_c_before_the_ranks_start_is_exit_130_in_one_line(monkeypatch):
+    from sinkprof.tool import profiles
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(profiles, "settings_for", interrupted)
+    res = runner.invoke(app, ["check"])
+    assert res.exit_code == 130
+    assert res.output.strip() == "sinkprof: stopped by SIGINT"
+
+
+def _closed_pipe(*args):
+    """``sinkprof ARGS`` with its stdout a pipe whose reader is gone (``| head -1`` once head ended)."""
+    proc = subprocess.Popen([sys.executable, "-m", "sinkprof", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    return proc.wait(timeout=120), err
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_emulate_into_a_full_disk_or_a_closed_pipe_ends_without_a_traceback(fmt):
+    """``emulate > /dev/full`` was an OSError traceback."""
+    with open("/dev/full", "w") as full:
+        res = subprocess.run([sys.executable, "-m", "sinkprof", "emulate", "--cp", "2", "--format", fmt],
+                             stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert res.returncode == 1
+    assert res.stderr.strip() == "sinkprof: write error: No space left on device"
+    code, err = _closed_pipe("emulate", "--cp", "2", "--format", fmt)
+    assert (code, err) == (1, "")
+
+
+def test_a_closed_stdout_is_one_line_before_any_rank_starts():
+    """With fd 1 closed (``>&-``) rank 0 died on 'NoneType' object has no attribute 'isatty', and
+    rank 1 with a traceback from its barrier."""
+    for args in (["check", "--seq-len", "64"], ["emulate", "--cp", "2"], ["doctor"]):
+        res = subprocess.run([sys.executable, "-m", "sinkprof", *args], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
+        assert res.returncode == 1, (args, res.stderr)
+        assert res.stderr.strip().startswith("sinkprof: stdout is closed (>&-): the result has nowhere to go")
+        assert len(res.stderr.strip().splitlines()) == 1

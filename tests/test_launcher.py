@@ -89,17 +89,19 @@ def test_ranks_listen_on_loopback_only_and_stop_with_a_signal_to_the_parent(sign
                 os.kill(r, signal.SIGKILL)
 
 
-def test_a_run_stopped_by_sigterm_reports_the_cases_it_finished():
-    """The parent's SIGTERM reaches the ranks; rank 0, stuck in the p2p case's exchange, reports
-    the a2a case before it (no ring: it finishes) and where it was stopped, and the run ends 143."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_run_stopped_by_a_signal_reports_the_cases_it_finished_and_names_the_signal(signum):
+    """The parent passes its signal on to the ranks; rank 0, stuck in the p2p case's exchange,
+    reports the a2a case before it (no ring: it finishes) and where it was stopped, by which signal
+    (after a Ctrl-C it said SIGTERM), and the run ends 128 + the signal."""
     proc, ranks, _ = _start_stalled_run(extra=("--comm", "a2a,p2p", "--format", "json"))
     try:
         time.sleep(2.0)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=20)
-        assert proc.returncode == 143, err
+        assert proc.returncode == 128 + signum, err
         doc = json.loads(out)
-        assert doc["passed"] is False and "stopped by SIGTERM" in doc["stopped"]["reason"]
+        assert doc["passed"] is False and f"stopped by {signum.name}" in doc["stopped"]["reason"]
         assert (doc["stopped"]["number"], doc["stopped"]["of"]) == (len(doc["cases"]) + 1, 2)
         assert all(c["comm"] == "a2a" and c["passed"] for c in doc["cases"])
         assert "Traceback" not in err
@@ -189,3 +191,80 @@ def test_ranks_started_with_different_options_stop_with_exit_2_naming_the_option
         assert "--softmax" in err and "'vanilla'" in err and "'off-by-one'" in err, err
         assert "Traceback" not in err
         assert '"passed"' not in out
+
+
+def test_ctrl_c_while_the_ranks_import_torch_is_exit_130_without_a_traceback():
+    """A Ctrl-C (SIGINT to the whole process group) while the spawned ranks start used to print
+    each rank's KeyboardInterrupt traceback; the ranks now ignore it until they handle it, and the
+    parent stops them."""
+    proc = subprocess.Popen([sys.executable, "-m", "sinkprof", "check", "--seq-len", "64", "--heads", "2",
+                             "--head-dim", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ranks:
+            ranks = [c for c in _children(proc.pid) if "resource_tracker" not in open(f"/proc/{c}/cmdline").read()]
+            time.sleep(0.02)
+        assert ranks, "the ranks did not start"
+        time.sleep(0.3)                        # importing torch
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, err
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        assert err.strip().splitlines()[-1].startswith("sinkprof: stopped by SIGINT"), err
+    finally:
+        proc.kill()
+        for r in ranks:
+            if _alive(r):
+                os.kill(r, signal.SIGKILL)
+
+
+def test_a_rank_whose_peer_never_joins_says_so_in_one_line(tmp_path):
+    """It was a ``DistStoreError: ... 1/2 clients joined`` traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    res = subprocess.run([sys.executable, "-m", "sinkprof", "check", "--seq-len", "64", "--timeout", "2"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 1, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith(f"sinkprof: rank 0: the 2 ranks did not meet at MASTER_ADDR=127.0.0.1 MASTER_PORT={port} "
+                           f"within --timeout 2s (")
+    assert "1/2 clients joined" in line and line.endswith("start every rank, with the same WORLD_SIZE, MASTER_ADDR "
+                                                          "and MASTER_PORT")
+
+
+def _run_into(stdout, *args):
+    return subprocess.run([sys.executable, "-m", "sinkprof", "check", "--seq-len", "64", "--heads", "2", "--head-dim",
+                           "8", *args], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=180)
+
+
+def test_a_result_that_cannot_be_written_is_one_line_from_rank_0_and_nothing_from_rank_1(tmp_path):
+    """Rank 1, waiting in the last barrier for rank 0, printed 'Process SpawnProcess-2: Traceback
+    ... Connection closed by peer' after rank 0's one line."""
+    res = _run_into(subprocess.PIPE, "--output", "/dev/full")
+    assert (res.returncode, res.stderr.strip()) == (1, "sinkprof: cannot write /dev/full: No space left on device")
+    with open("/dev/full", "w") as full:
+        res = _run_into(full, "--format", "json")
+    assert (res.returncode, res.stderr.strip()) == (1, "sinkprof: write error: No space left on device")
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_a_closed_pipe_ends_the_run_quietly(fmt):
+    """``check | head -1``: as Python advises for a reader that went away, exit 1 and nothing said."""
+    proc = subprocess.Popen([sys.executable, "-m", "sinkprof", "check", "--seq-len", "64", "--heads", "2",
+                             "--head-dim", "8", "--format", fmt], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=180), err) == (1, "")
+
+
+def test_the_longest_timeouts_run():
+    """A year is the longest --timeout and --run-timeout: datetime.timedelta and gloo hold it (1e10
+    failed every exchange at once; inf was an OverflowError)."""
+    res = _run_into(subprocess.PIPE, "--timeout", "31536000", "--run-timeout", "31536000", "--softmax", "learnable",
+                    "--mask", "causal", "--dtype", "fp64")
+    assert res.returncode == 0, res.stderr

@@ -343,6 +343,46 @@ def test_the_largest_torch_tile_is_step_0s_on_the_outer_ring_with_the_heads_left
     assert tile["a2a+p2p"] == 3 * 2 * (2 * 1024) ** 2 * 8   # a ring of 2 (c = 1024), 2 heads
 
 
+@pytest.mark.parametrize("args,message", [
+    (["check", "--seed", "99999999999999999999"], "--seed 99999999999999999999 is out of range: torch's generators "
+                                                   "take a seed from -2**63 to 2**64-1"),
+    (["check", "--seed", str(-2 ** 63 - 1)], "--seed"),
+    (["bench", "--seed", str(2 ** 64)], "--seed"),
+    (["emulate", "--seed", "99999999999999999999"], "--seed 99999999999999999999 is out of range"),
+    (["check", "--timeout", "inf"], "--timeout inf: give a number of seconds from 1 to 31536000 (365 days)"),
+    (["check", "--timeout", "1e14"], "--timeout 1e+14: give a number of seconds from 1 to 31536000"),
+    (["check", "--timeout", "1e10"], "--timeout"),
+    (["check", "--timeout", "nan"], "--timeout nan"),
+    (["check", "--timeout", "0.5"], "--timeout 0.5"),
+    (["bench", "--run-timeout", "inf"], "--run-timeout inf"),
+    (["check", "--mask", "no_mask", "--window", "99999999999999999999,0"],
+     "left 99999999999999999999 is past the largest window, 2**63-1 = 9223372036854775807; use -1 for unbounded"),
+    (["check", "--mask", "no_mask", "--window", "4,9223372036854775808"], "right 9223372036854775808 is past"),
+    (["emulate", "--mask", "no_mask", "--window", "99999999999999999999,0"], "--window"),
+])
+def test_values_a_rank_cannot_use_are_refused_before_any_rank_starts(no_launch, args, message):
+    """They passed validation, then crashed every rank (an OverflowError, "Overflow when unpacking
+    long long", "can't convert negative int to unsigned") or failed every exchange at once."""
+    assert message in " ".join(_refused(args, message.split(" ")[0], no_launch).split())
+
+
+def test_the_largest_seed_timeout_and_window_are_accepted(no_launch):
+    for args in (["--seed", str(2 ** 64 - 1)], ["--seed", str(-2 ** 63)], ["--timeout", "31536000"],
+                 ["--run-timeout", "31536000"], ["--mask", "no_mask", "--window", "9223372036854775807,0"]):
+        res = runner.invoke(app, ["check", "--seq-len", "64", *args])
+        assert res.exit_code == 0, (args, res.output)
+    assert len(no_launch) == 5
+
+
+@pytest.mark.parametrize("value", ["1", "0", "abc"])
+def test_a_leftover_local_world_size_outside_torchrun_is_ignored(monkeypatch, value):
+    """It changed the memory check (1 divided the estimate by the ranks, 0 turned it off, abc was
+    'invalid literal for int()'); only torchrun's RANK and WORLD_SIZE make it count."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    with pytest.raises(ValueError, match=r"x 8 rank\(s\)"):
+        preflight.check_memory([Settings(ranks=8, seq_len=128)], 8, "cpu", True, host_free=2 ** 30)
+
+
 def test_the_memory_check_gives_the_numbers_it_gave_when_it_asked_every_case_for_its_plan():
     """The figures the check gave before it bounded ``auto`` by ring and direct (it built every
     rank's plan for every case: 17 s at 256 ranks, hours at 1000): each case's (host, device) need,

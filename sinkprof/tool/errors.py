@@ -1,13 +1,15 @@
 """One place that turns an error into the message the user sees and the exit code.
 
 Exit codes: 0 success, 1 a failed or hung check (or run), 2 a usage error, 130 / 143 stopped by
-SIGINT / SIGTERM. The library and the
-tool raise their own errors where they find them (a ``ValueError`` that names the argument and
-says what to use instead, a ``CommError`` that says where a rank hung); commands do not catch
-them. ``Command``, the class of every command of the CLI, looks each one up in ``EXIT_CODES``.
+SIGINT / SIGTERM. A closed pipe (``| head -1``) ends the command quietly with 1, as Python advises
+and rich does. The library and the tool raise their own errors where they find them (a ``ValueError`` that names the
+argument and says what to use instead, a ``CommError`` that says where a rank hung); commands do
+not catch them. ``Command``, the class of every command of the CLI, looks each one up in ``EXIT_CODES``.
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from typing import Optional
 
@@ -20,22 +22,57 @@ from .output import OutputError
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports Ctrl-C
+EXIT_INTERRUPTED = 128 + signal.SIGINT   # 130, as a shell reports Ctrl-C
 
-# Exception type -> exit code; the message is the exception's own. Looked up along the MRO.
+# Exception type -> exit code; the message is the exception's own (``message``). Looked up along the MRO.
 EXIT_CODES: dict[type, int] = {
     ValueError: EXIT_USAGE,       # an option or its combination: the message names the option
     CommError: EXIT_FAILED,       # a rank hung or died: the message names rank, case, phase, step
     OutputError: EXIT_FAILED,     # a result could not be written: the message names the file
+    BrokenPipeError: EXIT_FAILED,   # stdout's reader went away: nobody to tell, nothing said
+    OSError: EXIT_FAILED,         # stdout could not be written (a file's failure is an OutputError)
 }
 
 
 def describe(exc: BaseException) -> Optional[tuple[str, int]]:
-    """(message, exit code) for a known error, None for anything else (a bug: let it show)."""
+    """(message, exit code) for a known error, None for anything else (a bug: let it show). An
+    empty message is said by ending quietly."""
     for kind in type(exc).__mro__:
         if kind in EXIT_CODES:
-            return str(exc), EXIT_CODES[kind]
+            return message(exc), EXIT_CODES[kind]
     return None
+
+
+def message(exc: BaseException) -> str:
+    """What the user is told of a known error: an OSError in the words ``cat`` uses for a stdout
+    that cannot be written (or the file it names); nothing for a closed pipe."""
+    if isinstance(exc, BrokenPipeError):
+        return ""
+    if isinstance(exc, OSError):
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else f"write error: {exc.strerror or exc}"
+    return str(exc)
+
+
+def say(text: str) -> None:
+    """One line on stderr (a closed stderr takes nothing)."""
+    if text and sys.stderr is not None:
+        print(f"sinkprof: {text}", file=sys.stderr, flush=True)
+
+
+def drop_stdout() -> None:
+    """Point stdout at /dev/null once its reader is gone, so the interpreter's last flush has
+    nowhere to fail (the BrokenPipeError advice of Python's signal documentation, what rich does)."""
+    if sys.stdout is not None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def stdout_open() -> None:
+    """Before a command whose result goes to stdout: stdout is there (``>&-`` closes it)."""
+    if sys.stdout is None:
+        raise OutputError("stdout is closed (>&-): the result has nowhere to go; leave stdout open, or give "
+                          "--output FILE where the command has it")
 
 
 class Command(TyperCommand):
@@ -44,12 +81,17 @@ class Command(TyperCommand):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:   # Ctrl-C before the ranks start (the launcher handles it after)
+            say("stopped by SIGINT")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         except Exception as exc:
             known = describe(exc)
             if known is None:
                 raise
-            message, code = known
+            text, code = known
             if code == EXIT_USAGE:
-                raise typer.BadParameter(message, ctx=ctx) from None
-            print(f"sinkprof: {message}", file=sys.stderr)
+                raise typer.BadParameter(text, ctx=ctx) from None
+            if isinstance(exc, BrokenPipeError):
+                drop_stdout()
+            say(text)
             raise typer.Exit(code) from None

@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..dist import DEFAULT_TIMEOUT_S, CommError, where
-from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE
-from .output import OutputError
+from .errors import EXIT_FAILED, EXIT_USAGE, describe, say
 
 
 @dataclass
@@ -43,8 +42,71 @@ class RankInfo:
     backend: str          # torch.distributed backend: gloo or nccl
 
 
+STORE_ENV = "SINKPROF_STORE"     # the FileStore of self-launched ranks
+PARENT_ENV = "SINKPROF_PARENT"   # the pid of the process that launched them
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """What torchrun (or a launcher like it) tells this process: its rank of ``world``, and of the
+    ``local_world`` ranks on this host."""
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+
+
+def torchrun_env() -> Optional[TorchrunEnv]:
+    """This process's torchrun-style environment, checked; None outside torchrun (neither RANK nor
+    WORLD_SIZE set: a leftover LOCAL_WORLD_SIZE or LOCAL_RANK is then ignored). A ``ValueError``
+    names the variable and the fix (exit 2), before the process group is joined."""
+    given = [name for name in ("RANK", "WORLD_SIZE") if name in os.environ]
+    if not given:
+        return None
+    if len(given) == 1:
+        (name,), other = given, "WORLD_SIZE" if given == ["RANK"] else "RANK"
+        raise ValueError(f"{name}={os.environ[name]} is set but {other} is not: torchrun sets both; set {other} too, "
+                         f"or unset {name} to self-launch the ranks (--ranks)")
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0, world - 1)
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1, world, default=world)
+    local_rank = _env_int("LOCAL_RANK", 0, local_world - 1, default=rank % local_world)
+    if STORE_ENV not in os.environ:   # self-launched ranks meet in a file, torchrun's at MASTER_ADDR:MASTER_PORT
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if missing:
+            raise ValueError(f"RANK={rank} and WORLD_SIZE={world} are set (a torchrun run) but {' and '.join(missing)} "
+                             f"{'is' if len(missing) == 1 else 'are'} not: start the ranks with torchrun, which sets "
+                             f"them, set {' and '.join(missing)}, or unset RANK and WORLD_SIZE to self-launch (--ranks)")
+        _env_int("MASTER_PORT", 1, 65535)
+    return TorchrunEnv(rank, world, local_rank, local_world)
+
+
+def _env_int(name: str, low: int, high: Optional[int] = None, default: Optional[int] = None) -> int:
+    """The integer environment variable ``name``, in ``low..high``; ``default`` when unset."""
+    text = os.environ.get(name)
+    if text is None and default is not None:
+        return default
+    bounds = f">= {low}" if high is None else f"in {low}..{high}"
+    if high is not None and name in ("RANK", "LOCAL_RANK"):
+        bounds += f" ({'WORLD_SIZE' if name == 'RANK' else 'LOCAL_WORLD_SIZE'} - 1 = {high})"
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={text!r} must be an integer {bounds}; torchrun sets it") from None
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name}={value} must be {bounds}; torchrun sets it")
+    return value
+
+
 def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return torchrun_env() is not None
+
+
+def local_ranks(procs: int) -> int:
+    """The ranks of this run on this host: torchrun's LOCAL_WORLD_SIZE (default its world size), at
+    most ``procs``; the ``procs`` self-launched ranks outside torchrun."""
+    env = torchrun_env()
+    return procs if env is None else min(procs, env.local_world)
 
 
 def choose_backend(device: str, local_world: int, requested: str = "auto") -> str:
@@ -56,10 +118,10 @@ def choose_backend(device: str, local_world: int, requested: str = "auto") -> st
 
 
 def init_from_env(device: str, requested_backend: str, timeout: float) -> RankInfo:
-    """Join the process group described by the torchrun-style environment."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    """Join the process group described by the torchrun-style environment; a group that does not
+    form within ``timeout`` (a rank that never came) is a ``CommError``."""
+    env = torchrun_env()
+    rank, world, local_rank, local_world = env.rank, env.world, env.local_rank, env.local_world
     backend = choose_backend(device, local_world, requested_backend)
     if device == "cuda":
         if not torch.cuda.is_available():
@@ -72,13 +134,17 @@ def init_from_env(device: str, requested_backend: str, timeout: float) -> RankIn
     kwargs = {"device_id": dev} if backend == "nccl" else {}
     if STORE_ENV in os.environ:   # self-launched: a file in a private folder, nothing listens
         kwargs["store"] = dist.FileStore(os.environ[STORE_ENV], world)
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout), **kwargs)
+        at = ""
+    else:
+        at = f" at MASTER_ADDR={os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']}"
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
+    except dist.DistError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CommError(f"rank {rank}: the {world} ranks did not meet{at} within --timeout {timeout:g}s ({first}); "
+                        f"start every rank, with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT") from None
     return RankInfo(rank, world, local_rank, dev, backend)
-
-
-STORE_ENV = "SINKPROF_STORE"     # the FileStore of self-launched ranks
-PARENT_ENV = "SINKPROF_PARENT"   # the pid of the process that launched them
 
 
 def _die_with_parent() -> None:
@@ -91,13 +157,14 @@ def _die_with_parent() -> None:
         pass                                     # not Linux: the watchdog watches the parent
 
 
-_LAST_WORDS: list = []   # called with the reason before the watchdog or a SIGTERM ends this rank (``last_words``)
+_LAST_WORDS: list = []   # called with the reason before the watchdog or a signal ends this rank (``last_words``)
+STOPPING = (signal.SIGINT, signal.SIGTERM)   # the signals that stop a run: Ctrl-C, a launcher or a scheduler
 
 
 @contextlib.contextmanager
 def last_words(fn: Optional[Callable[[str], None]]):
-    """While inside, ``fn(reason)`` runs before the watchdog (the run outlived its time) or a SIGTERM
-    ends this rank: a job's report of what it finished; ``None``: nothing."""
+    """While inside, ``fn(reason)`` runs before the watchdog (the run outlived its time) or a SIGINT
+    or SIGTERM ends this rank: a job's report of what it finished; ``None``: nothing."""
     if fn is None:
         yield
         return
@@ -116,25 +183,28 @@ def _say_last_words(rank: int, reason: str) -> None:
             print(f"sinkprof: rank {rank}: no report of the finished cases: {exc}", file=sys.stderr, flush=True)
 
 
-def _last_words_on_sigterm(rank: int) -> None:
-    """A SIGTERM (torchrun stopping its workers when one failed, the launcher stopping its ranks,
-    a job scheduler's time limit) ends this rank after its ``last_words``: a thread woken through
-    the signal's wakeup fd says them, since a Python handler runs only once the main thread is out
-    of a blocking wait. Only the main thread can set the signal's handling: elsewhere, nothing."""
+def _last_words_on_signal(rank: int) -> None:
+    """A SIGINT or SIGTERM (Ctrl-C; torchrun stopping its workers when one failed; the launcher
+    passing on the signal it got; a job scheduler's time limit) ends this rank after its
+    ``last_words``, which name the signal, with exit 128 + its number: a thread woken through the
+    signals' wakeup fd says them, since a Python handler runs only once the main thread is out of a
+    blocking wait. Only the main thread can set the signals' handling: elsewhere, nothing."""
     if threading.current_thread() is not threading.main_thread():
         return
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write)
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)   # the wakeup fd does the work
+    for signum in STOPPING:
+        signal.signal(signum, lambda signum, frame: None)   # the wakeup fd does the work
 
     def watch() -> None:
-        signals = b""
-        while signal.SIGTERM not in signals:   # the numbers of the signals that came, SIGINT's too
-            signals = os.read(read, 64)
-        _say_last_words(rank, f"the rank was stopped by SIGTERM at {where}")
-        sys.stdout.flush()
-        os._exit(128 + signal.SIGTERM)
+        came = b""   # the numbers of the signals that came, in the order they came
+        while not any(signum in came for signum in STOPPING):
+            came = os.read(read, 64)
+        signum = signal.Signals(next(n for n in came if n in STOPPING))
+        _say_last_words(rank, f"the rank was stopped by {signum.name} at {where}")
+        _flush()
+        os._exit(128 + signum)
     threading.Thread(target=watch, daemon=True).start()
 
 
@@ -156,7 +226,7 @@ class Watchdog:
                 what = f"run timed out after {self.seconds:g}s, hung at {where}"
                 print(f"sinkprof: rank {self.rank}: {what}", file=sys.stderr, flush=True)
                 _say_last_words(self.rank, f"the {what} (--run-timeout)")
-                sys.stdout.flush()
+                _flush()
                 os._exit(EXIT_FAILED)
 
     def stop(self) -> None:
@@ -186,38 +256,45 @@ def agree(config: dict, info: RankInfo) -> None:
 def _rank_main(job: Callable, args, device: str, backend: str, timeout: float, run_timeout: float,
                config: Optional[dict] = None) -> int:
     """Body of every rank: init, run ``job(info, *args)`` under the watchdog, report, clean up."""
-    rank = int(os.environ.get("RANK", 0))
+    rank = torchrun_env().rank
     parent = int(os.environ[PARENT_ENV]) if PARENT_ENV in os.environ else None
     dog = Watchdog(run_timeout, rank, parent)
-    _last_words_on_sigterm(rank)
+    _last_words_on_signal(rank)
     try:
         info = init_from_env(device, backend, timeout)
         where.phase, where.op = "setup", "comparing the ranks' options"
         agree(config or {}, info)
         code = job(info, *args)
-    except KeyboardInterrupt:   # Ctrl-C under torchrun reaches every rank: one line from torchrun is enough
-        os._exit(EXIT_INTERRUPTED)
     except Disagreement as exc:
-        print(f"sinkprof: {exc}", file=sys.stderr, flush=True)
-        os._exit(EXIT_USAGE)
-    except (CommError, OutputError) as exc:
-        print(f"sinkprof: {exc}", file=sys.stderr, flush=True)
-        os._exit(EXIT_FAILED)  # peers may be stuck in a collective: do not wait for a clean shutdown
-    except Exception:
-        print(f"sinkprof: rank {rank} failed at {where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        os._exit(EXIT_FAILED)
+        _end(str(exc), EXIT_USAGE)
+    except SystemExit as exc:   # rich ends a write to a closed pipe so (its stdout now /dev/null)
+        _end("", exc.code if isinstance(exc.code, int) else EXIT_FAILED)
+    except Exception as exc:
+        # the options were checked before the ranks started: a ValueError here is a bug, and shows
+        known = None if isinstance(exc, ValueError) else describe(exc)
+        if known is None:
+            say(f"rank {rank} failed at {where}:\n{traceback.format_exc()}")
+            os._exit(EXIT_FAILED)
+        _end(*known)   # peers may be stuck in a collective: do not wait for a clean shutdown
     try:
         if dist.is_initialized():
             dist.barrier()  # nobody tears down the group while a peer still uses it
             dist.destroy_process_group()
+    except RuntimeError:    # a peer ended first (its result could not be written, it was stopped): it said why
+        code = code or EXIT_FAILED
     finally:
         dog.stop()
     return code
 
 
+def _end(text: str, code: int) -> NoReturn:
+    """End this rank at once with ``text`` (nothing for a closed pipe) and ``code``."""
+    say(text)
+    os._exit(code)
+
+
 def _spawned(rank: int, world: int, store: str, parent: int, job, args, device, backend, timeout,
              run_timeout, config) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent handles Ctrl-C and stops the ranks
     _die_with_parent()
     if os.getppid() != parent:                     # it died before the request took effect
         os._exit(EXIT_FAILED)
@@ -232,9 +309,33 @@ def _leave(code) -> NoReturn:
     torch's distributed objects destroyed at teardown can abort the process from a C++ destructor
     ("terminate called without an active exception", exit -6, after every case passed: seen on
     self-launched ranks and under torchrun)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    except OSError as exc:   # the last of the result did not reach stdout
+        _end(*describe(exc))
+    _flush()
     os._exit(int(code or 0))
+
+
+def _flush() -> None:
+    """Flush stdout and stderr before ``os._exit``; one that is closed or broken takes nothing more."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.flush()
+
+
+def _start(proc) -> None:
+    """Start a rank with SIGINT ignored, which it inherits across ``exec`` until it sets its own
+    handling (``_last_words_on_signal``): a Ctrl-C while it imports torch would end it with a
+    traceback; this process passes the signal on (``_stop_all``). A Ctrl-C in the moment of the
+    start itself is lost."""
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 class _Stop(Exception):
@@ -248,12 +349,20 @@ def _raise_stop(signum, frame):
     raise _Stop(signum)
 
 
-def _stop_all(procs) -> list[int]:
-    """SIGTERM every live rank, then SIGKILL what is left after a short grace; the stopped ranks."""
+def _stop_all(procs, signum: int = signal.SIGTERM) -> list[int]:
+    """Pass ``signum`` on to every live rank, then SIGKILL what is left after a short grace; the
+    stopped ranks. A rank still starting ignores SIGINT (``_start``): after a SIGINT, what is alive a
+    second later gets a SIGTERM (a rank that handles both has named the SIGINT by then)."""
     stopped = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in stopped:
-        procs[r].terminate()
-    grace = time.monotonic() + 3.0
+    start = time.monotonic()
+    for s, after in [(signum, 0.0)] + ([(signal.SIGTERM, 1.0)] if signum != signal.SIGTERM else []):
+        for p in procs:
+            p.join(max(0.0, start + after - time.monotonic()))
+        for r in stopped:
+            if procs[r].is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(procs[r].pid, s)
+    grace = start + 3.0
     for p in procs:
         p.join(max(0.0, grace - time.monotonic()))
         if p.is_alive():
@@ -293,7 +402,7 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
     if under_torchrun():
         _leave(_rank_main(job, args, device, backend, timeout, run_timeout, config))
     ctx = mp.get_context("spawn")
-    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, _raise_stop) for s in STOPPING}
     procs: list = []
     try:
         with tempfile.TemporaryDirectory(prefix="sinkprof-") as folder:   # mode 0700: this user only
@@ -301,12 +410,12 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
             procs = [ctx.Process(target=_spawned, args=(r, nproc, store, os.getpid(), job, args, device, backend,
                                                         timeout, run_timeout, config)) for r in range(nproc)]
             for p in procs:
-                p.start()
+                _start(p)
             stopped = _supervise(procs, run_timeout)
     except _Stop as stop:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stopped = _stop_all([p for p in procs if p.pid is not None])
+        for s in STOPPING:
+            signal.signal(s, signal.SIG_IGN)
+        stopped = _stop_all([p for p in procs if p.pid is not None], stop.signum)
         name = signal.Signals(stop.signum).name
         print(f"sinkprof: stopped by {name}; ended rank(s) {', '.join(map(str, stopped)) or 'none'}",
               file=sys.stderr, flush=True)
@@ -317,16 +426,15 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
     if stopped:
         print(f"sinkprof: stopped rank(s) {', '.join(map(str, stopped))}, still running after the run failed",
               file=sys.stderr)
-    code = 0
+    own = {}   # the exit codes of the ranks that ended by themselves
     for r, p in enumerate(procs):
-        if p.exitcode != 0:
-            code = EXIT_FAILED
-            if r in stopped or p.exitcode is None:
-                continue
-            if p.exitcode == EXIT_USAGE:
-                code = EXIT_USAGE
-            elif p.exitcode < 0:
-                print(f"sinkprof: rank {r} was killed by signal {signal.Signals(-p.exitcode).name}", file=sys.stderr)
-            elif p.exitcode != EXIT_FAILED:
-                print(f"sinkprof: rank {r} exited with code {p.exitcode}", file=sys.stderr)
-    return code
+        if r in stopped or p.exitcode is None:
+            continue
+        own[r] = p.exitcode
+        if p.exitcode < 0:
+            print(f"sinkprof: rank {r} was killed by signal {signal.Signals(-p.exitcode).name}", file=sys.stderr)
+        elif p.exitcode not in (0, EXIT_FAILED, EXIT_USAGE):   # those said why (a closed pipe: silently)
+            print(f"sinkprof: rank {r} exited with code {p.exitcode}", file=sys.stderr)
+    if EXIT_USAGE in own.values():
+        return EXIT_USAGE
+    return 0 if all(p.exitcode == 0 for p in procs) else EXIT_FAILED

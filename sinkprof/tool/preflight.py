@@ -18,13 +18,24 @@ import torch
 
 from ..faults import RANK_FAILURES, Fault, Injected
 from ..kernels import resolve_backend
-from ..options import DTYPES, AttnSpec, Backend, CommType, KVSchedule, PackLayout, QKVFormat, SoftmaxType, accum_dtype
+from ..options import (DTYPES, AttnSpec, Backend, CommType, KVSchedule, PackLayout, QKVFormat, SoftmaxType, accum_dtype,
+                       check_seed, check_timeout)
 from ..plan import PARTS, RUN_ROWS, ring_plan, spec_layout
-from .cases import Case, a2a_members, expand
+from .cases import Case, CaseOptions, a2a_members, expand
+from .launcher import local_ranks
 
 GIB = 2 ** 30
 RANK_OVERHEAD = 400 * 2 ** 20     # a rank's own process: the interpreter, torch, gloo (measured: ~350 MiB)
 REFERENCE_BLOCK = 64 * 2 ** 20    # the reference's score block (``testing.reference``): per tensor
+
+
+def check_values(case: CaseOptions) -> None:
+    """Values of the command line that pass their option's parsing but that a rank cannot use: a
+    seed torch's generators refuse, a timeout that ``datetime.timedelta`` or gloo cannot hold."""
+    check_timeout(case.timeout, "--timeout")
+    check_timeout(case.run_timeout, "--run-timeout")
+    if case.seed is not None:
+        check_seed(case.seed, "--seed")
 
 
 def check_dist_backend(requested: str, device: str, ranks: int) -> None:
@@ -35,7 +46,7 @@ def check_dist_backend(requested: str, device: str, ranks: int) -> None:
         return
     if device != "cuda":
         raise ValueError("--dist-backend nccl needs --device cuda; use --dist-backend gloo (or auto) on the CPU")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    local = local_ranks(ranks)
     have = torch.cuda.device_count()
     if have < local:
         raise ValueError(f"--dist-backend nccl needs one GPU per rank: {local} rank(s) here, {have} GPU(s) visible; "
@@ -268,7 +279,7 @@ def check_memory(groups: list, ranks: int, device: str, reference: bool, procs: 
     which one it runs only where the answer decides whether it fits; a refusal without the answer
     tells the smaller need ("at least", where the larger would show otherwise)."""
     procs = ranks if procs is None else procs
-    local = min(procs, int(os.environ.get("LOCAL_WORLD_SIZE", procs)))
+    local = local_ranks(procs)
     host_free = host_available() if host_free is None else host_free
     if device == "cuda":
         device_free = device_available() if device_free is None else device_free
