@@ -230,15 +230,20 @@ def row_bytes(b: int, g: int, d: int, dtype: torch.dtype) -> tuple[int, int]:
             elems * torch.empty((), dtype=accum_dtype(dtype)).element_size())
 
 
+def planless_kv_schedule(kv_schedule, layout: PackLayout) -> KVSchedule:
+    """The K/V schedule known without a plan: the one asked for, or under ``auto`` allgather for a
+    pack in the balanced layout (which runs under it alone); ``AUTO`` where the plan's bytes choose."""
+    kind = KVSchedule.parse(kv_schedule, "kv_schedule")
+    return KVSchedule.ALLGATHER if kind is KVSchedule.AUTO and layout is PackLayout.BALANCED else kind
+
+
 @functools.lru_cache(maxsize=256)
 def comm_schedule(kv_schedule, cp: int, chunk, band, kv_row_bytes: int, dkv_row_bytes: int) -> CommSchedule:
     """The schedule asked for; ``auto`` is the one of ``ring`` and ``direct`` moving fewer bytes in
     all (ring on a tie; ``allgather`` only when asked for, or for a pack in the balanced layout,
     which runs under it alone). Every rank computes the same answer from the same plan. ``chunk``:
     as ``CommSchedule`` takes it."""
-    kind = KVSchedule.parse(kv_schedule, "kv_schedule")
-    if kind is KVSchedule.AUTO and as_layout(cp, chunk).kind is PackLayout.BALANCED:
-        kind = KVSchedule.ALLGATHER
+    kind = planless_kv_schedule(kv_schedule, as_layout(cp, chunk).kind)
     if kind is not KVSchedule.AUTO:
         return CommSchedule(kind, cp, chunk, band)
     ring = CommSchedule(KVSchedule.RING, cp, chunk, band)

@@ -38,3 +38,11 @@ def test_the_kv_schedules_multiply_only_the_ring_cases_of_a_real_check(cli):
     doc = json.loads(res.stdout)
     assert sorted((c["comm"], c["kv_schedule"]) for c in doc["cases"]) == [("a2a", None), ("p2p", "direct"),
                                                                           ("p2p", "ring")]
+
+
+def test_a_seed_no_generator_takes_is_refused_from_a_profile_too(tmp_path, cli):
+    profile = tmp_path / "p.toml"
+    profile.write_text("seed = 99999999999999999999\n")
+    res = cli("check", "--profile", str(profile))
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "--seed 99999999999999999999 is out of range" in res.stderr and "Traceback" not in res.stderr

@@ -18,7 +18,7 @@ import torch
 from ..dist import DEFAULT_TIMEOUT_S
 from ..kernels import unavailable_reason
 from ..options import (DTYPES, AttnSpec, Backend, CommType, KVSchedule, MaskType, PackLayout, QKVFormat, SinkGrad,
-                       SinkStrategy, SoftmaxType, check_sink_strategy, make_spec,
+                       SinkStrategy, SoftmaxType, check_seed, check_sink_strategy, make_spec,
                        parse_dtype, window_pair)
 from ..plan import spec_layout
 from ..testing import Shape
@@ -76,6 +76,7 @@ class Settings:
             if reason is not None:
                 raise ValueError(f"--backend {backend.value} cannot run here: {reason}; "
                                  f"use --backend torch (or auto, which picks what runs)")
+        check_seed(self.seed, option("seed"))   # a profile's too
         for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ranks", "a2a_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{option(name)} {getattr(self, name)} must be >= 1")

@@ -21,6 +21,7 @@ from ..kernels import resolve_backend
 from ..options import (DTYPES, AttnSpec, Backend, CommType, KVSchedule, PackLayout, QKVFormat, SoftmaxType, accum_dtype,
                        check_seed, check_timeout)
 from ..plan import PARTS, RUN_ROWS, ring_plan, spec_layout
+from ..schedule import planless_kv_schedule
 from .cases import Case, CaseOptions, a2a_members, expand
 from .launcher import local_ranks
 
@@ -95,14 +96,10 @@ def _ring_schedule(case: Case, ranks: int) -> KVSchedule:
     ``auto`` resolved as ``schedule.comm_schedule`` does it, allgather for a pack in the balanced
     layout, else ring or direct as the plan's bytes decide (every rank's plan: ``_kinds``)."""
     ring = ring_ranks(case, ranks)
-    kind = KVSchedule.parse(case.kv_schedule, "kv_schedule")
     if ring == 1:
         return KVSchedule.RING
-    if kind is not KVSchedule.AUTO:
-        return kind
-    if spec_layout(case.spec(), case.shape.s, ring).kind is PackLayout.BALANCED:
-        return KVSchedule.ALLGATHER
-    return _case_schedule(case, ranks).kind
+    kind = planless_kv_schedule(case.kv_schedule, spec_layout(case.spec(), case.shape.s, ring).kind)
+    return _case_schedule(case, ranks).kind if kind is KVSchedule.AUTO else kind
 
 
 def _kinds(case: Case, ranks: int) -> tuple[KVSchedule, ...]:
@@ -122,10 +119,9 @@ def sink_counted_again(spec: AttnSpec, s: int, ring: int, kv_schedule=KVSchedule
     one step is one tile per document), nor under a window that sees no key beyond the own chunk,
     nor under ``allgather`` (each row's keys are one tile). ``auto`` has the tiles of ``ring``, and
     of ``allgather`` for a pack in the balanced layout (which runs under it alone)."""
-    kind = KVSchedule.parse(kv_schedule, "kv_schedule")
     layout = spec_layout(spec, s, ring)
-    if kind is KVSchedule.AUTO:
-        kind = KVSchedule.RING if layout.kind is PackLayout.ZIGZAG else KVSchedule.ALLGATHER
+    kind = planless_kv_schedule(kv_schedule, layout.kind)
+    kind = KVSchedule.RING if kind is KVSchedule.AUTO else kind
     return any(not tile.sink for rank in range(ring) for step in ring_plan(ring, rank, layout, spec.band, kind).steps
                for tile in step.tiles)
 
