@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import math
+import re
 from typing import Callable, Optional
 
 import typer
@@ -56,7 +58,7 @@ def split_list(value: str, option: str, parse: Callable = str, allowed: Optional
 
 
 def positive_int(item: str, option: str) -> int:
-    if not item.lstrip("-").isdigit():
+    if not re.fullmatch(r"-?[0-9]+", item):
         raise ValueError(f"{option}: {item!r} is not an integer")
     if int(item) < 1:
         raise ValueError(f"{option}: {item} must be >= 1")
@@ -172,7 +174,7 @@ def check(
     if output in (None, "-"):
         stdout_open()
     out = Output(Format.parse(fmt, Format.TABLE, Format.JSON), output, width=200)
-    fault = Fault.parse(inject, "--inject") if inject else None
+    fault = Fault.parse(inject, "--inject") if inject is not None else None
     groups = settings_for(case)
     check_writable(output, "--output")
     preflight.check_memory(groups, groups[0].ranks, groups[0].device, reference=True)   # first: quick, for any cp
@@ -215,8 +217,14 @@ def bench(
     torchrun_env()   # a broken torchrun environment is refused before anything reads it
     preflight.check_values(case)
     stdout_open()    # the summary goes there
-    sims = tuple(split_list(simulate, "--simulate", positive_int)) if simulate else ()
-    fault = Fault.parse(inject, "--inject") if inject else None
+    sims = tuple(split_list(simulate, "--simulate", positive_int)) if simulate is not None else ()
+    if sims and inject is not None:
+        raise ValueError(f"--inject {inject} with --simulate: the fault stops a rank of a real run, and a "
+                         f"simulation is one process; drop --inject (or --simulate)")
+    if sims and case.ranks is not None:
+        raise ValueError(f"--ranks {case.ranks} with --simulate: a simulation replays every rank of each "
+                         f"--simulate size on this process; drop --ranks (or --simulate)")
+    fault = Fault.parse(inject, "--inject") if inject is not None else None
     opts = BenchOptions(warmup, iters, phase, csv_path, trace, use_nvtx, sims, fault, case.timeout,
                         parse_link(link, "--link") if link is not None else None)
     groups = settings_for(case, ranks=1, cps=sims) if sims else settings_for(case)
@@ -284,6 +292,11 @@ def emulate(
     seq_len, batch, lengths = pack(formats, cps, seq_len=seq_len, batch=batch, docs=docs, seed=seed,
                                    seqlens=None if seqlens is None else parse_seqlens(seqlens, "--seqlens"),
                                    pack_layout=layout)
+    for c in cps:
+        if seq_len % (2 * c):
+            step = math.lcm(*(2 * x for x in cps))
+            raise ValueError(f"--cp {c}: --seq-len {seq_len} must be divisible by 2 * cp = {2 * c} (load-balanced "
+                             f"chunks); use --seq-len {-(-seq_len // step) * step} (divisible by 2 * every --cp)")
     masks = split_list(mask, "--mask", lambda v, option: v, allowed=[m.value for m in MaskType])
     strategies = split_list(strategy, "--strategy", SinkStrategy.parse, allowed=[x.value for x in SinkStrategy])
     schedules = split_list(kv_schedule, "--kv-schedule", KVSchedule.parse, allowed=[x.value for x in KVSchedule])

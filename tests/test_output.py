@@ -170,3 +170,13 @@ def test_json_is_strict_with_non_finite_numbers_as_strings(tmp_path):
     text = path.read_text()
     assert "Infinity" not in text and "NaN" not in text
     assert json.loads(text) == {"worst": "inf", "errs": ["-inf", "nan", 1.5]}
+
+
+def test_checking_a_path_makes_no_folder_and_the_write_makes_them(tmp_path):
+    """A run refused after its paths were checked leaves nothing behind."""
+    path = tmp_path / "a" / "b" / "out.json"
+    check_writable(str(path), "--output")
+    check_folder(str(tmp_path / "plots" / "deep"), "--plot")
+    assert sorted(tmp_path.iterdir()) == []
+    write_text(path, "{}")
+    assert path.read_text() == "{}"

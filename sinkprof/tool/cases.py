@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -212,7 +213,7 @@ def parse_seqlens(text: str, arg: str = "--seqlens") -> tuple[int, ...]:
         raise ValueError(f"{arg} needs the documents' lengths, e.g. {arg} 96,160,256")
     out = []
     for n, item in enumerate(items):
-        if not item.isdigit():
+        if not re.fullmatch(r"[0-9]+", item):
             raise ValueError(f"{arg} {text}: {item!r} is not a document length (a positive integer), "
                              f"e.g. {arg} 96,160,256")
         if int(item) < 1:

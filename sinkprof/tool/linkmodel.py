@@ -44,7 +44,6 @@ InfiniBand NDR (one ConnectX-7 per GPU: 50 GB/s each way). Latencies per message
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +89,12 @@ PRESETS = {
 }
 
 
+# What a link can be (a megabyte a second to a petabyte; up to a second a message): outside it the
+# predicted times overflow or print as hundreds of digits.
+GBPS_RANGE = (1e-3, 1e6)
+LAT_US_MAX = 1e6
+
+
 def parse_link(text: str, option: str = "--link") -> Link:
     """A preset name, or ``GBPS[,LAT_US]`` (GB/s per direction; latency per message in
     microseconds, 0 when left out)."""
@@ -105,10 +110,10 @@ def parse_link(text: str, option: str = "--link") -> Link:
         lat = float(parts[1]) if len(parts) == 2 else 0.0
     except ValueError:
         raise ValueError(f"{option} {text!r}: {usage}") from None
-    if not (math.isfinite(gbps) and gbps > 0):
-        raise ValueError(f"{option} {text!r}: the bandwidth must be a positive number of GB/s")
-    if not (math.isfinite(lat) and lat >= 0):
-        raise ValueError(f"{option} {text!r}: the latency must be a number of microseconds >= 0")
+    if not GBPS_RANGE[0] <= gbps <= GBPS_RANGE[1]:
+        raise ValueError(f"{option} {text!r}: the bandwidth must be {GBPS_RANGE[0]:g} to {GBPS_RANGE[1]:g} GB/s")
+    if not 0 <= lat <= LAT_US_MAX:
+        raise ValueError(f"{option} {text!r}: the latency must be 0 to {LAT_US_MAX:g} microseconds")
     return Link(f"{gbps:g}GB/s", gbps, lat)
 
 

@@ -107,7 +107,7 @@ def atomic_path(path):
 
 def check_writable(path: Optional[str], option: str) -> None:
     """Before a run: ``path`` (a file, or ``-`` for stdout) can be written, or a ValueError naming
-    ``option`` says why not. Creates the missing folders, as the write would."""
+    ``option`` says why not. Missing folders are left to the write, which makes them."""
     if path is None or path == STDOUT:
         return
     if path == "":
@@ -125,7 +125,7 @@ def check_writable(path: Optional[str], option: str) -> None:
 
 
 def check_folder(path: Optional[str], option: str) -> None:
-    """Before a run: files can be created in the folder ``path`` (created if missing)."""
+    """Before a run: files can be created in the folder ``path`` (made by the write if missing)."""
     if path is None:
         return
     if path in ("", STDOUT):
@@ -168,11 +168,11 @@ def _probe_folder(folder: Path, option: str, path: str) -> None:
     existing = next(p for p in (folder, *folder.parents) if p.exists() or p == p.parent)
     if existing.exists() and not existing.is_dir():
         raise ValueError(f"{option} {path}: {existing} is a file, not a folder; choose another path")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{option} {path}: the folder {folder} cannot be created ({exc.strerror}); "
-                         f"choose another path") from None
+    if existing != folder:   # the write makes the rest: nothing is left behind by a run refused later
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"{option} {path}: the folder {folder} cannot be created ({existing} is not "
+                             f"writable); choose another path")
+        return
     try:
         fd, probe = tempfile.mkstemp(prefix=".sinkprof-probe.", dir=folder)
         os.close(fd)
