@@ -451,3 +451,19 @@ def test_the_files_are_written_before_the_tables(csvs, tmp_path):
                          shell=True, capture_output=True, text=True, timeout=120)
     assert (tmp_path / "p.html").stat().st_size > 0 and json.loads((tmp_path / "t.json").read_text())
     assert "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_csv_from_a_pipe_is_read_once_and_a_folder_is_named_as_one(csvs, tmp_path):
+    """``report <(zcat run.csv.gz)``: the file is a pipe, which cannot be read a second time."""
+    import os
+    import threading
+    fifo = tmp_path / "run.csv"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(Path(csvs[0]).read_bytes()))
+    writer.start()
+    res = _report(fifo)
+    writer.join(10)
+    assert res.exit_code == 0, res.output
+    assert "compute ms per rank" in res.stdout
+    res = _report(tmp_path)
+    assert res.exit_code == 2 and "a folder, not a CSV file" in res.stderr

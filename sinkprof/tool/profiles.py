@@ -124,7 +124,7 @@ def find(name: Optional[str]) -> Profile:
     if name.endswith(".toml") or os.sep in name:
         path = Path(name)
         if not path.is_file():
-            raise ValueError(f"--profile {name!r}: no such file")
+            raise ValueError(f"--profile {name!r}: {'a folder, not a file' if path.is_dir() else 'no such file'}")
         return load(path)
     known = available()
     if name not in known:

@@ -14,6 +14,7 @@ drawn from the same loaded frame.
 from __future__ import annotations
 
 import csv
+import io
 import os
 import re
 import sys
@@ -57,22 +58,25 @@ def _truth(value) -> bool:
 def _read_one(path) -> pd.DataFrame:
     """One bench CSV, checked; a ValueError names the file and says what is wrong with it."""
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir():
+        raise ValueError(f"{path}: a folder, not a CSV file; name the bench CSVs in it")
+    if not p.exists():
         raise ValueError(f"{path}: no such CSV file")
-    with open(p, "rb") as f:
-        head = f.read(8192)
-    if not head.strip():
-        raise ValueError(f"{path}: empty file, not a sinkprof bench CSV "
-                         f"(it needs the columns {', '.join(REQUIRED_COLUMNS)})")
-    if b"\0" in head:
-        raise ValueError(f"{path}: a binary file, not a sinkprof bench CSV")
     try:
-        df = pd.read_csv(p, keep_default_na=False, na_values=[""], dtype={c: str for c in TEXT_COLUMNS})
-        short = _short_row(p)
-    except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-        raise ValueError(f"{path}: not a sinkprof bench CSV ({str(exc).splitlines()[0]})") from None
+        data = p.read_bytes()   # once: a pipe (<(...)) cannot be read again
     except OSError as exc:
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if not data.strip():
+        raise ValueError(f"{path}: empty file, not a sinkprof bench CSV "
+                         f"(it needs the columns {', '.join(REQUIRED_COLUMNS)})")
+    if b"\0" in data[:8192]:
+        raise ValueError(f"{path}: a binary file, not a sinkprof bench CSV")
+    try:
+        df = pd.read_csv(io.BytesIO(data), keep_default_na=False, na_values=[""],
+                         dtype={c: str for c in TEXT_COLUMNS})
+        short = _short_row(data.decode())
+    except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        raise ValueError(f"{path}: not a sinkprof bench CSV ({str(exc).splitlines()[0]})") from None
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"{path}: not a sinkprof bench CSV: missing columns {', '.join(missing)} "
@@ -114,14 +118,13 @@ def _read_one(path) -> pd.DataFrame:
     return df
 
 
-def _short_row(path: Path) -> Optional[tuple[int, int]]:
+def _short_row(text: str) -> Optional[tuple[int, int]]:
     """The first data row (1-based) with fewer fields than the header, and its count of fields."""
-    with open(path, newline="") as f:
-        rows = csv.reader(f)
-        width = len(next(rows, []))
-        for n, row in enumerate(rows, 1):
-            if row and len(row) < width:
-                return n, len(row)
+    rows = csv.reader(io.StringIO(text, newline=""))
+    width = len(next(rows, []))
+    for n, row in enumerate(rows, 1):
+        if row and len(row) < width:
+            return n, len(row)
     return None
 
 
