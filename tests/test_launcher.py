@@ -50,6 +50,14 @@ def _listening(pids: list[int]) -> list[str]:
     return found
 
 
+def _reap(proc, ranks) -> None:
+    """Kill a test's launcher and whatever of its ranks is left."""
+    proc.kill()
+    for r in ranks:
+        if _alive(r):
+            os.kill(r, signal.SIGKILL)
+
+
 def _start_stalled_run(extra=()):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "sinkprof", "check", "--softmax", "learnable", "--mask", "causal",
@@ -83,10 +91,7 @@ def test_ranks_listen_on_loopback_only_and_stop_with_a_signal_to_the_parent(sign
         time.sleep(0.5)
         assert not any(_alive(r) for r in ranks)
     finally:
-        proc.kill()
-        for r in ranks:
-            if _alive(r):
-                os.kill(r, signal.SIGKILL)
+        _reap(proc, ranks)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -106,10 +111,7 @@ def test_a_run_stopped_by_a_signal_reports_the_cases_it_finished_and_names_the_s
         assert all(c["comm"] == "a2a" and c["passed"] for c in doc["cases"])
         assert "Traceback" not in err
     finally:
-        proc.kill()
-        for r in ranks:
-            if _alive(r):
-                os.kill(r, signal.SIGKILL)
+        _reap(proc, ranks)
 
 
 def test_under_torchrun_a_sigterm_leaves_the_report_of_the_cases_it_finished(tmp_path):
@@ -141,10 +143,7 @@ def test_under_torchrun_a_sigterm_leaves_the_report_of_the_cases_it_finished(tmp
         assert (doc["stopped"]["number"], doc["stopped"]["of"]) == (len(doc["cases"]) + 1, 2)
         assert all(c["comm"] == "a2a" and c["passed"] for c in doc["cases"])
     finally:
-        proc.kill()
-        for r in ranks:
-            if _alive(r):
-                os.kill(r, signal.SIGKILL)
+        _reap(proc, ranks)
 
 
 def test_ranks_whose_parent_died_exit_on_their_own():
@@ -157,9 +156,7 @@ def test_ranks_whose_parent_died_exit_on_their_own():
             time.sleep(0.2)
         assert not any(_alive(r) for r in ranks)
     finally:
-        for r in ranks:
-            if _alive(r):
-                os.kill(r, signal.SIGKILL)
+        _reap(proc, ranks)
 
 
 def test_the_watchdog_reports_a_rank_stuck_in_the_forward_ring_there(cli):
@@ -214,10 +211,7 @@ def test_ctrl_c_while_the_ranks_import_torch_is_exit_130_without_a_traceback():
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
         assert err.strip().splitlines()[-1].startswith("sinkprof: stopped by SIGINT"), err
     finally:
-        proc.kill()
-        for r in ranks:
-            if _alive(r):
-                os.kill(r, signal.SIGKILL)
+        _reap(proc, ranks)
 
 
 def test_a_rank_whose_peer_never_joins_says_so_in_one_line(tmp_path):
