@@ -20,7 +20,7 @@ from .options import KVSchedule, MaskType, PackLayout, SinkStrategy, check_seed
 from .tool.cases import CaseOptions
 from .tool.errors import Command, stdout_open
 from .tool import preflight
-from .tool.output import Format, Output, check_folder, check_writable
+from .tool.output import Format, Output, check_folder, check_writable, settle
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, rich_markup_mode=None,
                   help="Correctness checks and profiles of context-parallel attention with attention sinks.",
@@ -171,6 +171,7 @@ def check(
 
     torchrun_env()   # a broken torchrun environment is refused before anything reads it
     preflight.check_values(case)
+    output = settle(output, "--output")
     if output in (None, "-"):
         stdout_open()
     out = Output(Format.parse(fmt, Format.TABLE, Format.JSON), output, width=200)
@@ -217,6 +218,7 @@ def bench(
     torchrun_env()   # a broken torchrun environment is refused before anything reads it
     preflight.check_values(case)
     stdout_open()    # the summary goes there
+    csv_path = settle(csv_path, "--csv")
     sims = tuple(split_list(simulate, "--simulate", positive_int)) if simulate is not None else ()
     if sims and inject is not None:
         raise ValueError(f"--inject {inject} with --simulate: the fault stops a rank of a real run, and a "
@@ -284,6 +286,7 @@ def emulate(
     from .tool.emulate import only_allgather, pack, run
 
     check_seed(seed, "--seed")
+    output = settle(output, "--output")
     if output in (None, "-"):
         stdout_open()
     cps = split_list(cp, "--cp", positive_int)
@@ -327,6 +330,7 @@ def report(
     import sys
     from .tool.report import report as run
     stdout_open()    # the summary tables go there
+    html, chrome_trace = settle(html, "--html"), settle(chrome_trace, "--chrome-trace")
     check_folder(plot, "--plot")
     check_writable(html, "--html")
     check_writable(chrome_trace, "--chrome-trace")

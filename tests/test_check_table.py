@@ -29,7 +29,7 @@ def _results():
     case 4 fails on d_sink, case 6 on the byte contract."""
     wide = Settings(comm=("p2p", "a2a+p2p"), softmax=("vanilla", "learnable"), mask=("causal",),
                     dtype=("fp32", "bf16"), sink_strategy=("post-merge",), window=(16, 0), ranks=4)
-    other = dataclasses.replace(wide, comm=("p2p",), softmax=("off-by-one",), dtype=("fp64",), window=None,
+    other = dataclasses.replace(wide, comm=("a2a", "p2p"), softmax=("off-by-one",), dtype=("fp64",), window=None,
                                 bias=True, seq_len=128, kv_schedule=("direct",))
     results = []
     for i, case in enumerate(expand(wide) + expand(other)):

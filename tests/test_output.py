@@ -120,19 +120,30 @@ def test_a_failed_whole_write_names_the_file(tmp_path):
         write_text(tmp_path / "file" / "sub" / "out.json", "{}")
 
 
-def test_dev_stdout_writes_the_stream_when_it_is_a_pipe_or_a_file(tmp_path):
-    """/dev/stdout resolves to pipe:[N] for a pipe, and to the file for a redirect: both are the
-    process's open stdout, written in place (appended after what was printed), never replaced."""
-    code = ("import sys; from sinkprof.tool.output import check_writable, write_text; print('table'); "
-            "sys.stdout.flush(); check_writable('/dev/stdout', '--output'); write_text('/dev/stdout', 'doc\\n')")
-    piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+def test_dev_stdout_is_stdout_and_other_descriptors_are_refused(tmp_path):
+    """/dev/stdout resolves to pipe:[N] for a pipe and to the file for a redirect: it is taken as
+    ``-`` (the result alone on stdout). /dev/fd/3 is this process's, which the ranks do not share,
+    and a closed descriptor's name would be replaced by a file: both exit 2."""
+    emulate = [sys.executable, "-m", "sinkprof", "emulate", "--cp", "2", "--mask", "causal", "--strategy", "step0",
+               "--format", "json"]
+    piped = subprocess.run(emulate + ["--output", "/dev/stdout"], capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0, piped.stderr
-    assert piped.stdout == "table\ndoc\n"
-    out = tmp_path / "out.txt"
+    assert json.loads(piped.stdout)["passed"] is True
+    out = tmp_path / "out.json"
     with open(out, "w") as f:
-        res = subprocess.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.PIPE, text=True, timeout=60)
+        res = subprocess.run(emulate + ["--output", "/dev/stdout"], stdout=f, stderr=subprocess.PIPE, text=True,
+                             timeout=120)
     assert res.returncode == 0, res.stderr
-    assert out.read_text() == "table\ndoc\n" and not list(tmp_path.glob(".*tmp*"))
+    assert json.loads(out.read_text())["passed"] is True
+    with open(tmp_path / "three.json", "w") as f:
+        res = subprocess.run(emulate + ["--output", "/dev/fd/3"], pass_fds=(f.fileno(),) if f.fileno() == 3 else (),
+                             capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "/dev/fd/3: names a" in res.stderr, res.stderr
+    link = tmp_path / "stdout-link"
+    link.symlink_to("/proc/self/fd/1")
+    res = subprocess.run(" ".join(emulate + ["--output", str(link)]) + " >&-", shell=True, stderr=subprocess.PIPE,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and link.is_symlink(), res.stderr
 
 
 @pytest.mark.parametrize("check", [check_writable, check_folder])
@@ -149,19 +160,24 @@ def test_paths_the_system_refuses_are_usage_errors_naming_the_option(tmp_path, c
 
 
 def test_a_disk_full_keeps_the_rows_written_before_and_says_where(tmp_path, monkeypatch):
-    """When the rows cannot be written again either, FILE.partial keeps those written before, and
-    the message says so (it used to point at an empty FILE.partial beside a FILE.partial.1)."""
+    """When the rows cannot be written again either, FILE.partial is cut back to its last whole row
+    and the message says how many it holds (it used to point at an empty FILE.partial beside a
+    FILE.partial.1)."""
     stream = CsvStream(tmp_path / "bench.csv", COLUMNS)
     stream.append([{"a": 1, "b": 2}])
 
-    def full(*args, **kwargs):
+    def full(*args, **kwargs):   # half a row got out before the disk filled
+        stream._file.write("3,")
+        stream._file.flush()
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(stream._csv, "writerows", full)
-    monkeypatch.setattr("sinkprof.tool.output.atomic_path", full)
-    with pytest.raises(OutputError, match="No space left.*bench.csv.partial holds those written before"):
+    def still_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr("sinkprof.tool.output.atomic_path", still_full)
+    with pytest.raises(OutputError, match="No space left.*bench.csv.partial holds the 1 row.s. written before"):
         stream.append([{"a": 3, "b": 4}])
-    rows = list(csv.DictReader(io.StringIO((tmp_path / "bench.csv.partial").read_text())))
-    assert [r["a"] for r in rows] == ["1"] and not list(tmp_path.glob("*.partial.*"))
+    text = (tmp_path / "bench.csv.partial").read_text()
+    assert text == "a,b\n1,2\n" and not list(tmp_path.glob("*.partial.*"))
 
 
 def test_json_is_strict_with_non_finite_numbers_as_strings(tmp_path):

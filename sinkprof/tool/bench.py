@@ -37,7 +37,6 @@ from .errors import EXIT_OK
 from .launcher import RankInfo
 from .linkmodel import Link, predict
 from .output import STDOUT, CsvStream, atomic_path, same_target
-from .report import PHASES
 
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
 COLUMNS = ["run_id", "timestamp", "rank", "iteration", "phase", "step", "kind", "start_ms", "end_ms", "dur_ms",
@@ -62,6 +61,7 @@ class BenchOptions:
     def __post_init__(self):
         if self.link is not None and not self.simulate:
             raise ValueError("--link predicts the communication of a --simulate run: give --simulate too")
+        from .report import PHASES   # the reader's list; pandas stays out of the ranks
         if self.phase not in PHASES:
             raise ValueError(f"--phase {self.phase!r}: use fwd, bwd or fwdbwd")
         if self.trace is not None and self.simulate:

@@ -8,6 +8,7 @@ not catch them. ``Command``, the class of every command of the CLI, looks each o
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -29,14 +30,19 @@ EXIT_CODES: dict[type, int] = {
     ValueError: EXIT_USAGE,       # an option or its combination: the message names the option
     CommError: EXIT_FAILED,       # a rank hung or died: the message names rank, case, phase, step
     OutputError: EXIT_FAILED,     # a result could not be written: the message names the file
-    BrokenPipeError: EXIT_FAILED,   # stdout's reader went away: nobody to tell, nothing said
-    OSError: EXIT_FAILED,         # stdout could not be written (a file's failure is an OutputError)
+    OSError: EXIT_FAILED,         # stdout could not be written (WRITE_ERRORS; a file's failure is an
+                                  # OutputError, a closed pipe says nothing)
 }
+# The errors of a write that fails (a full disk, a closed pipe or descriptor): the OSErrors the map
+# takes; any other (a library that cannot load, a bug) shows as it is.
+WRITE_ERRORS = (errno.ENOSPC, errno.EIO, errno.EPIPE, errno.EBADF, errno.EFBIG, errno.EDQUOT)
 
 
 def describe(exc: BaseException) -> Optional[tuple[str, int]]:
     """(message, exit code) for a known error, None for anything else (a bug: let it show). An
     empty message is said by ending quietly."""
+    if isinstance(exc, OSError) and exc.errno not in WRITE_ERRORS:
+        return None
     for kind in type(exc).__mro__:
         if kind in EXIT_CODES:
             return message(exc), EXIT_CODES[kind]

@@ -58,14 +58,18 @@ def _umask() -> int:
 
 
 def target(path) -> Path:
-    """Where writing ``path`` lands: a symlink's target (the link itself stays a link), or the path
-    itself when it names a process's open file (``/dev/stdout``, ``/dev/fd/1``)."""
-    return Path(path) if _open_file(path) else Path(os.path.realpath(path))
+    """Where writing ``path`` lands: a symlink's target (the link itself stays a link)."""
+    return Path(os.path.realpath(path))
 
 
-def _open_file(path) -> bool:
+def _in_place(path: Path) -> bool:
+    """A device, a FIFO or a socket: written as it is, never replaced by a regular file."""
+    return path.exists() and not path.is_file()
+
+
+def _descriptor(path) -> bool:
     """``path`` or a link on its way is an entry of ``/proc/PID/fd`` (``/dev/stdout`` and
-    ``/dev/fd/N`` lead there): an open file, a pipe's included, that the caller means as a stream."""
+    ``/dev/fd/N`` lead there): a file descriptor of this process, not a name of a file."""
     p = os.path.abspath(path)
     for _ in range(40):   # the kernel's own limit on links followed
         if re.fullmatch(r"/proc/[^/]+/fd", os.path.realpath(os.path.dirname(p))):
@@ -76,10 +80,20 @@ def _open_file(path) -> bool:
     return False
 
 
-def _in_place(path: Path) -> bool:
-    """A device, a FIFO, a socket or a process's open file: written as it is (appended to), never
-    replaced by a regular file."""
-    return path.exists() and (not path.is_file() or _open_file(path))
+def settle(path: Optional[str], option: str) -> Optional[str]:
+    """``path`` as a run writes it: ``-`` for a name of this process's stdout (``/dev/stdout``,
+    ``/dev/fd/1``), so the result goes where ``-`` sends it and nothing else is printed into it.
+    Another file descriptor is refused: a run's ranks do not share this process's descriptors, and
+    writing through its name would replace the file it points at."""
+    if path is None or path == STDOUT or not _descriptor(path):
+        return path
+    try:
+        if os.path.samestat(os.stat(path), os.fstat(1)):
+            return STDOUT
+    except OSError:
+        raise ValueError(f"{option} {path}: names a closed file descriptor; name a file, or - for stdout") from None
+    raise ValueError(f"{option} {path}: names a file descriptor of this process (the ranks that write the result "
+                     f"do not share it); name a file, or - for stdout")
 
 
 @contextlib.contextmanager
@@ -107,17 +121,18 @@ def atomic_path(path):
 
 def check_writable(path: Optional[str], option: str) -> None:
     """Before a run: ``path`` (a file, or ``-`` for stdout) can be written, or a ValueError naming
-    ``option`` says why not. Missing folders are left to the write, which makes them."""
-    if path is None or path == STDOUT:
-        return
+    ``option`` says why not (``settle`` first: the name of a descriptor). Missing folders are left
+    to the write, which makes them."""
     if path == "":
         raise ValueError(f"{option} '': an empty path; name a file (or - for stdout)")
+    if settle(path, option) in (None, STDOUT):
+        return
     with _os_errors(option, path):
         _loop_check(path, option)
         where = target(path)
         if where.is_dir():
             raise ValueError(f"{option} {path}: is a folder; name a file in it")
-        if _in_place(where):   # a device, a FIFO, an open file: written in place
+        if _in_place(where):   # a device or a FIFO: written in place
             if not os.access(where, os.W_OK):
                 raise ValueError(f"{option} {path}: cannot be written (permission denied)")
             return
@@ -188,7 +203,7 @@ def write_text(path, text: str) -> Path:
         sys.stdout.flush()
         return Path(path)
     try:
-        with atomic_path(path) as tmp, open(tmp, "a" if _in_place(tmp) else "w") as f:
+        with atomic_path(path) as tmp, open(tmp, "w") as f:
             f.write(text)
             f.flush()
             if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
@@ -274,7 +289,7 @@ class CsvStream:
         self.path = None if str(path) == STDOUT else target(path)
         if self.path is None or _in_place(self.path):
             self.partial = self.path
-            self._file = sys.stdout if self.path is None else open(self.path, "a", newline="")
+            self._file = sys.stdout if self.path is None else open(self.path, "w", newline="")
         else:
             self.partial = Path(str(self.path) + ".partial")
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -282,6 +297,7 @@ class CsvStream:
             self._file = _create(self.partial)
         self._csv = csv.DictWriter(self._file, fieldnames=columns, extrasaction="ignore")
         self._written: list = []
+        self._whole = (0, 0)   # bytes and rows of FILE.partial after its last whole write
         self._guard(self._csv.writeheader)
 
     @property
@@ -301,6 +317,7 @@ class CsvStream:
                 os.fsync(self._file.fileno())
                 if os.fstat(self._file.fileno()).st_nlink == 0:
                     raise FileNotFoundError(2, f"{self.partial} was removed")
+                self._whole = (self._file.tell(), len(self._written))   # the file ends after a whole row
         except OSError as exc:
             self._rescue(exc)
 
@@ -322,9 +339,12 @@ class CsvStream:
                     os.fsync(f.fileno())
                 saved = f"; the {len(self._written)} row(s) so far are in {self.partial}"
             except OSError as again:
-                saved = (f"; the rows could not be written again ({again.strerror or again}): {self.partial} "
-                         f"holds those written before, its last row possibly cut short" if ours else
-                         f"; the rows so far could not be saved either ({again.strerror or again})")
+                saved = f"; the rows so far could not be saved either ({again.strerror or again})"
+                if ours:   # cut back to its last whole row (truncating takes no space)
+                    with contextlib.suppress(OSError):
+                        os.truncate(self.partial, self._whole[0])
+                        saved = (f"; the rows could not be written again ({again.strerror or again}): "
+                                 f"{self.partial} holds the {self._whole[1]} row(s) written before")
         raise OutputError(f"writing the CSV {self.partial} failed: {exc.strerror or exc}{saved}") from None
 
     def close(self) -> None:

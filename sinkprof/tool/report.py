@@ -75,7 +75,7 @@ def _read_one(path) -> pd.DataFrame:
         df = pd.read_csv(io.BytesIO(data), keep_default_na=False, na_values=[""],
                          dtype={c: str for c in TEXT_COLUMNS})
         short = _short_row(data.decode())
-    except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+    except (UnicodeDecodeError, csv.Error, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise ValueError(f"{path}: not a sinkprof bench CSV ({str(exc).splitlines()[0]})") from None
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
@@ -120,10 +120,11 @@ def _read_one(path) -> pd.DataFrame:
 
 def _short_row(text: str) -> Optional[tuple[int, int]]:
     """The first data row (1-based) with fewer fields than the header, and its count of fields."""
-    rows = csv.reader(io.StringIO(text, newline=""))
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))   # a long pack's docs cell is one field
+    rows = (row for row in csv.reader(io.StringIO(text, newline="")) if row)   # blank lines: pandas skips them
     width = len(next(rows, []))
     for n, row in enumerate(rows, 1):
-        if row and len(row) < width:
+        if len(row) < width:
             return n, len(row)
     return None
 
