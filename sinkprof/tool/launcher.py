@@ -196,7 +196,6 @@ def _last_words_on_signal(rank: int) -> None:
     signal.set_wakeup_fd(write)
     for signum in STOPPING:
         signal.signal(signum, lambda signum, frame: None)   # the wakeup fd does the work
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOPPING))   # a self-launched rank starts with SIGINT blocked
 
     def watch() -> None:
         came = b""   # the numbers of the signals that came, in the order they came
@@ -328,15 +327,15 @@ def _flush() -> None:
 
 
 def _start(proc) -> None:
-    """Start a rank with SIGINT blocked, which it inherits across ``exec`` until it sets its own
-    handling (``_last_words_on_signal`` unblocks it): a Ctrl-C while it imports torch would end it
-    with a traceback, and now waits for that handling. One that comes to this process in the moment
-    of the start is delivered when the start is done, so it is not lost."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    """Start a rank with SIGINT ignored, which it inherits across ``exec`` until it sets its own
+    handling (``_last_words_on_signal``): a Ctrl-C while it imports torch would end it with a
+    traceback; this process passes the signal on (``_stop_all``). A Ctrl-C in the moment of the
+    start itself is lost."""
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         proc.start()
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        signal.signal(signal.SIGINT, handler)
 
 
 class _Stop(Exception):
@@ -352,7 +351,7 @@ def _raise_stop(signum, frame):
 
 def _stop_all(procs, signum: int = signal.SIGTERM) -> list[int]:
     """Pass ``signum`` on to every live rank, then SIGKILL what is left after a short grace; the
-    stopped ranks. A rank still starting blocks SIGINT (``_start``): after a SIGINT, what is alive a
+    stopped ranks. A rank still starting ignores SIGINT (``_start``): after a SIGINT, what is alive a
     second later gets a SIGTERM (a rank that handles both has named the SIGINT by then)."""
     stopped = [r for r, p in enumerate(procs) if p.is_alive()]
     start = time.monotonic()
