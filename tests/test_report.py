@@ -208,6 +208,7 @@ def test_chrome_trace_has_every_rank_as_a_process_with_compute_and_communication
     (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,1\nr,0,0,fwd,0,kv,1\nr,0,0,sideways,0,kv,1\n",
      "column phase of data row 3 is 'sideways'"),
     (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,nap,1\n", "column kind of data row 1 is 'nap'"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0.5,compute,1\n", "column step of data row 1 is 0.5, not a whole number"),
     (b"run_id,rank,iteration,phase,step,kind,dur_ms,b,s\nr,0,0,fwd,0,compute,1,2,64\nr,0,0,fwd,0,kv,1,2\n",
      "data row 2 has 8 of the 9 columns (a file cut short?"),
 ])

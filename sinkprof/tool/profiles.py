@@ -123,8 +123,11 @@ def find(name: Optional[str]) -> Profile:
         return Profile("cpu-default (embedded)", None, "CPU, gloo, 2 ranks: p2p x 3 softmax types x 2 masks", {}, [])
     if name.endswith(".toml") or os.sep in name:
         path = Path(name)
-        if not path.is_file():
-            raise ValueError(f"--profile {name!r}: {'a folder, not a file' if path.is_dir() else 'no such file'}")
+        try:
+            if not path.is_file():
+                raise ValueError(f"--profile {name!r}: {'a folder, not a file' if path.is_dir() else 'no such file'}")
+        except OSError as exc:   # a folder that cannot be entered
+            raise ValueError(f"--profile {name!r}: {exc.strerror or exc}") from None
         return load(path)
     known = available()
     if name not in known:

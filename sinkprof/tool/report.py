@@ -58,13 +58,13 @@ def _truth(value) -> bool:
 def _read_one(path) -> pd.DataFrame:
     """One bench CSV, checked; a ValueError names the file and says what is wrong with it."""
     p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{path}: a folder, not a CSV file; name the bench CSVs in it")
-    if not p.exists():
-        raise ValueError(f"{path}: no such CSV file")
     try:
+        if p.is_dir():
+            raise ValueError(f"{path}: a folder, not a CSV file; name the bench CSVs in it")
+        if not p.exists():
+            raise ValueError(f"{path}: no such CSV file")
         data = p.read_bytes()   # once: a pipe (<(...)) cannot be read again
-    except OSError as exc:
+    except OSError as exc:   # a folder that cannot be entered, a file that cannot be read
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if not data.strip():
         raise ValueError(f"{path}: empty file, not a sinkprof bench CSV "
@@ -102,7 +102,8 @@ def _read_one(path) -> pd.DataFrame:
             row = int(bad.to_numpy().nonzero()[0][0])
             cell = df[col].iloc[row]
             raise ValueError(f"{path}: column {col} of data row {row + 1} is "
-                             f"{'empty' if pd.isna(cell) else repr(cell) if isinstance(cell, str) else cell}, not a finite number")
+                             f"{'empty' if pd.isna(cell) else repr(cell) if isinstance(cell, str) else cell}, not a "
+                             f"{'whole' if col in INT_COLUMNS else 'finite'} number")
         df[col] = values.astype("int64") if col in INT_COLUMNS else values.astype(float)
     for col, allowed in (("phase", PHASES), ("kind", STEP_KINDS + ("iteration",))):
         bad = ~df[col].isin(allowed)
