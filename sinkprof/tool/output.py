@@ -88,10 +88,12 @@ def settle(path: Optional[str], option: str) -> Optional[str]:
     if path is None or path == STDOUT or not _descriptor(path):
         return path
     try:
-        if os.path.samestat(os.stat(path), os.fstat(1)):
-            return STDOUT
+        named = os.stat(path)
     except OSError:
         raise ValueError(f"{option} {path}: names a closed file descriptor; name a file, or - for stdout") from None
+    with contextlib.suppress(OSError):   # stdout itself closed: the name is not stdout's
+        if os.path.samestat(named, os.fstat(1)):
+            return STDOUT
     raise ValueError(f"{option} {path}: names a file descriptor of this process (the ranks that write the result "
                      f"do not share it); name a file, or - for stdout")
 
