@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from .cases import CaseOptions, Settings, check_pack_layer, merge_layers
-from .launcher import under_torchrun
+from .launcher import torchrun_env
 from .output import Output
 from .preflight import check_dist_backend
 
@@ -144,8 +144,9 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
     overrides = options.overrides()
     if ranks is not None:
         overrides["ranks"] = ranks
-    if under_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
+    env = torchrun_env()
+    if env is not None:
+        world = env.world
         if overrides.get("ranks", world) != world:
             raise ValueError(f"--ranks {overrides['ranks']} differs from torchrun's WORLD_SIZE={world}; drop --ranks")
         overrides["ranks"] = world
