@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
 import operator
 from dataclasses import dataclass
 from typing import Optional
@@ -438,18 +439,64 @@ def check_sink_strategy(value, arg: str = "sink_strategy") -> SinkStrategy:
     return strategy
 
 
-def check_a2a_size(a2a_size: int, world: int) -> None:
-    """Inner a2a groups of ``a2a_size`` consecutive ranks must tile the CP group."""
+class A2AProblem(enum.Enum):
+    """Which quantity an ``A2AError`` finds wrong."""
+
+    GROUP = "group"   # the a2a group size does not divide the CP group (``check_a2a_size``)
+    HEADS = "heads"   # the a2a group does not split the query and K/V heads evenly (``check_heads``)
+
+
+class A2AError(ValueError):
+    """An a2a group that does not fit, said in the library's words (``str``), with what a caller
+    needs to say it in its own (the tool names its options): ``problem``, the numbers (``members``
+    ranks per a2a group, ``world`` ranks in the CP group, ``h`` query and ``g`` K/V heads; None where
+    the check was not given them) and ``sizes``, the a2a group sizes that fit, ascending (1 always)."""
+
+    def __init__(self, message: str, problem: A2AProblem = A2AProblem.GROUP, *, members: int = 1,
+                 world: Optional[int] = None, h: Optional[int] = None, g: Optional[int] = None,
+                 sizes: tuple[int, ...] = (1,)):
+        super().__init__(message)
+        self.problem, self.members, self.world, self.h, self.g, self.sizes = problem, members, world, h, g, sizes
+
+    def __reduce__(self):   # a rank's error survives pickling with its fields
+        return type(self), (str(self), self.problem), dict(self.__dict__)
+
+
+def a2a_sizes(world: Optional[int] = None, h: Optional[int] = None, g: Optional[int] = None) -> tuple[int, ...]:
+    """The a2a group sizes that fit, ascending: each divides the CP group of ``world`` ranks and
+    splits the ``h`` query and ``g`` K/V heads evenly (a bound not given bounds nothing, but one of
+    them must be given)."""
+    given = [n for n in (world, h, g) if n is not None]
+    return tuple(n for n in range(1, math.gcd(*given) + 1) if all(m % n == 0 for m in given))
+
+
+def check_a2a_size(a2a_size: int, world: int, h: Optional[int] = None, g: Optional[int] = None) -> None:
+    """Inner a2a groups of ``a2a_size`` consecutive ranks must tile the CP group. Given the heads
+    (``h``, ``g``), the sizes the error offers also split them (``check_heads``)."""
     if a2a_size < 1 or world % a2a_size:
-        raise ValueError(f"a2a_size={a2a_size} must divide the CP group size {world}")
+        sizes = a2a_sizes(world, h, g)
+        which = "" if h is None else f" and splits the h={h} query and g={g} K/V heads"
+        raise A2AError(f"a2a_size={a2a_size} must divide the CP group size {world}; use one that divides it"
+                       f"{which}: {_listing(sizes)}",
+                       A2AProblem.GROUP, members=a2a_size, world=world, h=h, g=g, sizes=sizes)
 
 
-def check_heads(h: int, g: int, members: int) -> None:
-    """a2a over ``members`` ranks gives each a share of the query and of the K/V heads."""
+def check_heads(h: int, g: int, members: int, world: Optional[int] = None) -> None:
+    """a2a over ``members`` ranks gives each a share of the query and of the K/V heads. Given the
+    CP group's ``world``, the sizes the error offers also divide it (``check_a2a_size``)."""
     if h % members or g % members:
-        raise ValueError(f"a2a over {members} ranks splits the heads: q has h={h} heads and k, v have g={g}, "
-                         f"but h={h} and g={g} must both be divisible by {members}; "
-                         f"use an a2a size that divides both")
+        sizes = a2a_sizes(world, h, g)
+        also = "" if world is None else f" and the CP group size {world}"
+        raise A2AError(f"a2a over {members} ranks splits the heads: q has h={h} heads and k, v have g={g}, "
+                       f"but h={h} and g={g} must both be divisible by {members}; "
+                       f"use an a2a size that divides both{also}: {_listing(sizes)}",
+                       A2AProblem.HEADS, members=members, world=world, h=h, g=g, sizes=sizes)
+
+
+def _listing(sizes) -> str:
+    """``1, 2 or 4``."""
+    *rest, last = map(str, sizes)
+    return f"{', '.join(rest)} or {last}" if rest else last
 
 
 def check_scale(scale, d: int) -> float:

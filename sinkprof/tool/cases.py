@@ -18,9 +18,9 @@ import torch
 
 from ..dist import DEFAULT_TIMEOUT_S
 from ..kernels import unavailable_reason
-from ..options import (DTYPES, AttnSpec, Backend, CommType, KVSchedule, MaskType, PackLayout, QKVFormat, SinkGrad,
-                       SinkStrategy, SoftmaxType, check_seed, check_sink_strategy, make_spec,
-                       parse_dtype, window_pair)
+from ..options import (DTYPES, A2AError, A2AProblem, AttnSpec, Backend, CommType, KVSchedule, MaskType, PackLayout,
+                       QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size, check_heads, check_seed,
+                       check_sink_strategy, make_spec, parse_dtype, window_pair)
 from ..plan import spec_layout
 from ..testing import Shape
 
@@ -94,17 +94,12 @@ class Settings:
             except ValueError as exc:
                 raise ValueError(f"--window {','.join(map(str, self.window))}: {exc}") from None
         for comm in map(CommType, self.comm):
-            if comm is CommType.A2A_P2P and self.ranks % self.a2a_size:
-                fit = max(d for d in range(1, self.ranks + 1) if self.ranks % d == 0 and d <= self.a2a_size)
-                raise ValueError(f"--a2a-size {self.a2a_size} must divide --ranks {self.ranks} (a2a+p2p runs a "
-                                 f"ring of a2a groups of that size); use --a2a-size {fit}")
             members = a2a_members(comm, self.ranks, self.a2a_size)
-            if self.heads % members or self.kv_heads % members:
-                fix = (f"use --heads and --kv-heads divisible by {members} (a2a splits them over every rank), "
-                       f"or --comm a2a+p2p with an --a2a-size that divides both" if comm is CommType.A2A else
-                       "use an --a2a-size that divides both")
-                raise ValueError(f"--comm {comm.value} over {members} ranks splits the heads: --heads {self.heads} "
-                                 f"and --kv-heads {self.kv_heads} must both be divisible by {members}; {fix}")
+            try:   # the library's rules for an a2a group, the ones cp_attention enforces
+                check_a2a_size(members, self.ranks, self.heads, self.kv_heads)
+                check_heads(self.heads, self.kv_heads, members, self.ranks)
+            except A2AError as exc:
+                raise ValueError(a2a_usage(comm, exc)) from None
 
     def validate_pack(self) -> None:
         """The thd options: given only with thd, documents that sum to the pack and that every rank
@@ -265,6 +260,29 @@ def option(name: str) -> str:
 def a2a_members(comm: CommType, cp: int, a2a_size: int) -> int:
     """Ranks of the inner a2a group: 1 for p2p, the whole group for a2a."""
     return {CommType.P2P: 1, CommType.A2A: cp, CommType.A2A_P2P: a2a_size}[comm]
+
+
+def a2a_usage(comm: CommType, exc: A2AError) -> str:
+    """The library's verdict on an a2a group (``check_a2a_size``, ``check_heads`` with the heads
+    and the ranks) in option names, with a fix the library says fits."""
+    heads = f"--heads {exc.h} and --kv-heads {exc.g}"
+    if exc.problem is A2AProblem.GROUP:
+        fit = max(n for n in exc.sizes if n <= exc.members)
+        return (f"--a2a-size {exc.members} must divide --ranks {exc.world} (a2a+p2p runs a ring of a2a groups of "
+                f"that size); use --a2a-size {fit} (the a2a sizes that divide --ranks {exc.world} and split "
+                f"{heads}: {', '.join(map(str, exc.sizes))})")
+    above_one = [n for n in exc.sizes if n > 1]
+    size = (f"an --a2a-size that divides both and --ranks {exc.world}: --a2a-size {max(above_one)}" if above_one
+            else None)
+    if comm is CommType.A2A:
+        fix = (f"use --heads and --kv-heads divisible by {exc.members} (a2a splits them over every rank), or "
+               + (f"--comm a2a+p2p with {size}" if size else
+                  f"--comm p2p (no --a2a-size above 1 divides both and --ranks {exc.world})"))
+    else:
+        fix = (f"use {size}" if size else
+               f"use --comm p2p (no --a2a-size above 1 divides both and --ranks {exc.world})")
+    return (f"--comm {comm.value} over {exc.members} ranks splits the heads: {heads} must both be divisible by "
+            f"{exc.members}; {fix}")
 
 
 @dataclass(frozen=True)
