@@ -41,6 +41,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 def main() -> None:
+    """Run the command line. The installed ``sinkprof`` and ``python -m sinkprof`` enter through
+    ``sinkprof.__main__.main``, which imports this module (and torch) where a Ctrl-C is handled."""
     app()
 
 

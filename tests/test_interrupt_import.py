@@ -1,0 +1,92 @@
+"""A Ctrl-C while the command line loads (torch's import: seconds) ends the command as one while it
+runs does: exit 130 and the one line ``sinkprof: stopped by SIGINT``, never a traceback. That needs
+``import sinkprof`` to import nothing heavy, so the entry's handling is set before torch loads, and
+the entry to end the command itself rather than trust a KeyboardInterrupt through torch's import
+(sinkprof/__main__.py). The SIGINT comes at fixed moments and at moments read from the process's
+mapped libraries (/proc/PID/maps): inside torch's import, and inside the import of numpy under it,
+where a KeyboardInterrupt became an ImportError traceback."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["check", "--device", "cpu", "--seq-len", "64", "--heads", "2", "--head-dim", "8"]
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps (Linux)")
+
+
+def _console_script() -> str:
+    """What pip writes for the ``sinkprof`` entry of pyproject.toml."""
+    tomllib = pytest.importorskip("tomllib")
+    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["sinkprof"]
+    module, _, function = entry.partition(":")
+    return f"import sys\nfrom {module} import {function}\nsys.argv[0] = 'sinkprof'\nsys.exit({function}())\n"
+
+
+def _mapped(pid: int, library: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return library in f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.parametrize("entry,when", [
+    ("-m", 0.1), ("-m", 0.3), ("-m", 0.5), ("-m", 0.7),
+    ("-m", "libtorch_cpu"),         # torch's import has loaded its C++ library
+    ("-m", "_multiarray_umath"),    # torch's import is importing numpy
+    ("script", 0.3), ("script", "libtorch_cpu"),
+])
+def test_ctrl_c_while_the_command_line_loads_is_one_line_and_exit_130(entry, when):
+    if when == "_multiarray_umath":
+        pytest.importorskip("numpy")
+    command = [sys.executable, "-m", "sinkprof"] if entry == "-m" else [sys.executable, "-c", _console_script()]
+    proc = subprocess.Popen([*command, *ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        if isinstance(when, float):
+            time.sleep(when)
+        else:
+            deadline = time.monotonic() + 60
+            while not _mapped(proc.pid, when) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert proc.poll() is None and _mapped(proc.pid, when), f"{when} was never mapped"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)   # a lost Ctrl-C runs the check to the end: exit 0
+    finally:
+        proc.kill()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines() == ["sinkprof: stopped by SIGINT"], err
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert out == ""
+
+
+SETTLES = """
+import sys
+import sinkprof
+assert not [m for m in sys.modules if m == "torch" or m.startswith("torch.")], "import sinkprof imported torch"
+assert [m for m in sys.modules if m.startswith("sinkprof")] == ["sinkprof"], sorted(sys.modules)
+settled = []
+original = sinkprof._settle
+sinkprof._settle = lambda: settled.append(1) or original()
+import torch
+assert settled == [1], "importing torch after sinkprof did not settle the vector math (sinkprof/cpu_math.py)"
+assert torch.__loader__ is torch.__spec__.loader and type(torch.__loader__).__module__ != "sinkprof"
+assert not [f for f in sys.meta_path if type(f).__module__ == "sinkprof"], sys.meta_path
+from sinkprof import cp_attention, shard
+assert sinkprof.cp_attention is cp_attention and sinkprof.shard is shard and settled == [1]
+assert set(sinkprof.__all__) <= set(dir(sinkprof))
+print("ok")
+"""
+
+
+def test_import_sinkprof_is_light_and_torch_is_settled_when_it_comes():
+    """``import sinkprof`` imports no torch and no submodule; the torch imported after it is
+    settled once (what ``import sinkprof`` did before it was light), and the public names load."""
+    res = subprocess.run([sys.executable, "-c", SETTLES], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stderr
