@@ -216,3 +216,64 @@ def test_bench_refuses_a_trace_it_would_not_write_or_that_is_its_csv(tmp_path):
     with pytest.raises(ValueError, match="name the same path"):
         BenchOptions(csv=str(tmp_path / "same"), trace=str(tmp_path / "same"))
     assert not (tmp_path / "traces").exists() and not (tmp_path / "same").exists()
+
+
+def test_a_csv_name_whose_partial_does_not_fit_is_refused_before_any_rank_starts(cli, tmp_path):
+    """``FILE.partial`` is 8 bytes longer than ``FILE``: a 252-byte name fit, its .partial did not,
+    and rank 0 died with a traceback after the ranks had started (rank 1 then hung in gloo)."""
+    out = tmp_path / ("a" * 248 + ".csv")
+    res = cli("bench", "--device", "cpu", "--ranks", "2", "--iters", "1", "--warmup", "0", "--csv", str(out),
+              timeout=120)
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"--csv {out}: the run writes it first as '.partial' beside it" in said and "at most 247 bytes" in said
+    assert "Traceback" not in res.stderr and "rank 0" not in said and "rank 1" not in said
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_trace_folder_that_names_a_descriptor_is_refused_before_the_run(tmp_path):
+    """``--trace /dev/stdout | cat``: each rank failed after the run writing its trace into a
+    folder made of the pipe's name."""
+    import subprocess
+    import sys
+    res = subprocess.run(f"{sys.executable} -m sinkprof bench --device cpu --ranks 2 --iters 1 --warmup 0 "
+                         f"--trace /dev/stdout | cat", shell=True, capture_output=True, text=True, timeout=120)
+    said = " ".join(res.stderr.split())
+    assert "--trace /dev/stdout: names a file descriptor; name a folder" in said, said
+    assert "Traceback" not in said and res.stdout == ""
+
+
+def test_simulate_under_torchrun_says_so_not_ranks(cli):
+    """``bench --simulate`` runs no ranks: under torchrun (WORLD_SIZE=2) it is refused for what it
+    is, not as a --ranks the user never gave."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+    res = cli("bench", "--simulate", "2", "--device", "cpu", env=env, timeout=120)
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "--simulate under torchrun (WORLD_SIZE=2)" in said and "without torchrun" in said
+    assert "--ranks" not in said
+
+
+def test_a_profile_that_cannot_be_read_says_what_to_do(tmp_path, monkeypatch):
+    """A permission error said ``--profile 'x': Permission denied`` and no more."""
+    import errno
+    from typer.testing import CliRunner
+    from sinkprof.cli import app
+    guarded, unreadable = tmp_path / "locked" / "p.toml", tmp_path / "p.toml"
+    unreadable.write_text("ranks = 2\n")
+    is_file, read_text = Path.is_file, Path.read_text
+
+    def denied(real):
+        def method(self, *args, **kwargs):
+            if self in (guarded, unreadable) and (real is read_text or self == guarded):
+                raise PermissionError(errno.EACCES, "Permission denied", str(self))
+            return real(self, *args, **kwargs)
+        return method
+    monkeypatch.setattr(Path, "is_file", denied(is_file))
+    monkeypatch.setattr(Path, "read_text", denied(read_text))
+    for profile, says in ((guarded, f"--profile '{guarded}': Permission denied; name a profile file you can read"),
+                          (unreadable, f"profile {unreadable}: cannot be read (Permission denied); name a profile "
+                                       f"file you can read")):
+        res = CliRunner().invoke(app, ["bench", "--profile", str(profile), "--iters", "1", "--warmup", "0"])
+        assert res.exit_code == 2, res.output
+        assert says in " ".join(res.stderr.split())

@@ -4,6 +4,7 @@ import errno
 import io
 import json
 import os
+import shlex
 import shutil
 import stat
 import subprocess
@@ -120,30 +121,121 @@ def test_a_failed_whole_write_names_the_file(tmp_path):
         write_text(tmp_path / "file" / "sub" / "out.json", "{}")
 
 
+EMULATE = [sys.executable, "-m", "sinkprof", "emulate", "--cp", "2", "--mask", "causal", "--strategy", "step0",
+           "--format", "json"]
+
+
+def _shell(args: list, redirect: str = "", **kwargs) -> subprocess.CompletedProcess:
+    """``args`` run by the shell with ``redirect`` (``3>FILE``) after them: the descriptors the
+    command gets are those the redirect names, whatever pytest holds open."""
+    return subprocess.run(" ".join(map(shlex.quote, map(str, args))) + " " + redirect, shell=True, text=True,
+                          capture_output=True, timeout=120, **kwargs)
+
+
 def test_dev_stdout_is_stdout_and_other_descriptors_are_refused(tmp_path):
     """/dev/stdout resolves to pipe:[N] for a pipe and to the file for a redirect: it is taken as
-    ``-`` (the result alone on stdout). /dev/fd/3 is this process's, which the ranks do not share,
-    and a closed descriptor's name would be replaced by a file: both exit 2."""
-    emulate = [sys.executable, "-m", "sinkprof", "emulate", "--cp", "2", "--mask", "causal", "--strategy", "step0",
-               "--format", "json"]
-    piped = subprocess.run(emulate + ["--output", "/dev/stdout"], capture_output=True, text=True, timeout=120)
+    ``-`` (the result alone on stdout). Another descriptor of this process, open (``3>FILE``) or
+    closed, is refused, each with what it is (emulate has no ranks: the message says nothing of
+    them), and a closed stdout's name would be replaced by a file: all exit 2."""
+    piped = subprocess.run(EMULATE + ["--output", "/dev/stdout"], capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0, piped.stderr
     assert json.loads(piped.stdout)["passed"] is True
     out = tmp_path / "out.json"
     with open(out, "w") as f:
-        res = subprocess.run(emulate + ["--output", "/dev/stdout"], stdout=f, stderr=subprocess.PIPE, text=True,
+        res = subprocess.run(EMULATE + ["--output", "/dev/stdout"], stdout=f, stderr=subprocess.PIPE, text=True,
                              timeout=120)
     assert res.returncode == 0, res.stderr
     assert json.loads(out.read_text())["passed"] is True
-    with open(tmp_path / "three.json", "w") as f:
-        res = subprocess.run(emulate + ["--output", "/dev/fd/3"], pass_fds=(f.fileno(),) if f.fileno() == 3 else (),
-                             capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "/dev/fd/3: names a" in res.stderr, res.stderr
+    three = tmp_path / "three.json"
+    res = _shell(EMULATE + ["--output", "/dev/fd/3"], f"3>{shlex.quote(str(three))}")
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 2, res.stderr
+    assert "--output /dev/fd/3: names file descriptor 3, not a file" in said and f"({three})" in said, said
+    assert "ranks" not in said and "closed" not in said and three.read_text() == ""
+    res = _shell(EMULATE + ["--output", "/dev/fd/3"], "3>&-")
+    assert res.returncode == 2 and "--output /dev/fd/3: names file descriptor 3, which is closed" in res.stderr, \
+        res.stderr
     link = tmp_path / "stdout-link"
     link.symlink_to("/proc/self/fd/1")
-    res = subprocess.run(" ".join(emulate + ["--output", str(link)]) + " >&-", shell=True, stderr=subprocess.PIPE,
-                         text=True, timeout=60)
+    res = _shell(EMULATE + ["--output", link], ">&-")
     assert res.returncode == 2 and link.is_symlink(), res.stderr
+
+
+def test_a_descriptor_of_another_process_is_named_as_such(tmp_path):
+    """``/proc/PID/fd/1`` of another process is neither this process's descriptor nor a closed one
+    (it said both, by turns)."""
+    other = subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL)
+    try:
+        res = _shell(EMULATE + ["--output", f"/proc/{other.pid}/fd/1"])
+    finally:
+        other.kill()
+        other.wait()
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 2, said
+    assert f"--output /proc/{other.pid}/fd/1: names file descriptor 1 of another process (pid {other.pid})" in said
+    assert "this process" not in said and "closed" not in said
+
+
+def test_a_threads_descriptor_names_are_descriptor_names(tmp_path):
+    """``/proc/thread-self/fd/1`` and ``/proc/PID/task/TID/fd/1`` are stdout as ``/dev/stdout`` is
+    (they were taken as a folder to write a file named ``pipe:[N]`` into)."""
+    res = _shell(EMULATE + ["--output", "/proc/thread-self/fd/1"])
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["passed"] is True
+    res = _shell(EMULATE + ["--output", "/proc/thread-self/fd/3"], f"3>{tmp_path / 'f'}")
+    assert res.returncode == 2 and "names file descriptor 3, not a file" in res.stderr, res.stderr
+    with pytest.raises(ValueError, match=r"--plot /proc/\d+/task/\d+/fd/1: names a file descriptor; name a folder"):
+        check_folder(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/fd/1", "--plot")
+
+
+def test_a_link_that_cannot_be_read_is_a_usage_error_naming_the_option(tmp_path, monkeypatch):
+    """``/proc/1/cwd`` of another user's process: os.readlink raises EACCES (it was a traceback)."""
+    link = tmp_path / "guarded"
+    link.symlink_to(tmp_path / "elsewhere")
+    real_readlink = os.readlink
+
+    def denied(path, *args, **kwargs):
+        if str(path) == str(link):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_readlink(path, *args, **kwargs)
+    monkeypatch.setattr(os, "readlink", denied)
+    for args, option in ((["emulate", "--cp", "2", "-o", str(link)], "--output"),
+                         (["report", str(tmp_path / "in.csv"), "--html", str(link)], "--html"),
+                         (["report", str(tmp_path / "in.csv"), "--plot", str(link)], "--plot")):
+        res = CliRunner().invoke(app, args)
+        said = " ".join(res.stderr.split())
+        assert res.exit_code == 2, said
+        assert f"{option} {link}: the link {link} cannot be followed (Permission denied); choose another path" in said
+
+
+@pytest.mark.skipif(os.access("/proc/1/cwd", os.R_OK) or not os.path.islink("/proc/1/cwd"),
+                    reason="/proc/1/cwd can be read here")
+def test_proc_1_cwd_is_refused_naming_the_option():
+    res = _shell(EMULATE + ["--output", "/proc/1/cwd"])
+    assert res.returncode == 2 and "--output /proc/1/cwd: the link /proc/1/cwd cannot be followed" in res.stderr, \
+        res.stderr
+
+
+def test_a_long_name_that_fits_is_written_and_one_whose_partial_does_not_is_refused(tmp_path):
+    """The temp file of a whole write has a bounded name (a 252-byte name failed after the run, its
+    temp name was 266 bytes); ``FILE.partial`` of a CSV stream must fit too, checked before."""
+    name = tmp_path / ("a" * 247 + ".json")
+    res = _shell(EMULATE + ["--output", name])
+    assert res.returncode == 0, res.stderr
+    assert json.loads(name.read_text())["passed"] is True
+    csv_name = str(tmp_path / ("a" * 248 + ".csv"))
+    check_writable(csv_name, "--csv")   # the file alone fits
+    with pytest.raises(ValueError, match=r"--csv .*a\.csv: the run writes it first as '\.partial' beside it, a name "
+                                         r"of 260 bytes, more than the 255 .* at most 247 bytes"):
+        check_writable(csv_name, "--csv", partial=True)
+    short = str(tmp_path / ("b" * 246 + ".csv"))   # 250 + .partial = 258: refused too
+    with pytest.raises(ValueError, match="at most 247 bytes"):
+        check_writable(short, "--csv", partial=True)
+    fits = str(tmp_path / ("c" * 243 + ".csv"))    # 247 + .partial = 255: fits
+    check_writable(fits, "--csv", partial=True)
+    Path(fits + ".partial").write_text("an earlier run's rows")   # then moved to FILE.partial.1: 257
+    with pytest.raises(ValueError, match=r"as '\.partial\.1' beside it"):
+        check_writable(fits, "--csv", partial=True)
 
 
 @pytest.mark.parametrize("check", [check_writable, check_folder])

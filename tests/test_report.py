@@ -211,6 +211,26 @@ def test_chrome_trace_has_every_rank_as_a_process_with_compute_and_communication
     (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0.5,compute,1\n", "column step of data row 1 is 0.5, not a whole number"),
     (b"run_id,rank,iteration,phase,step,kind,dur_ms,b,s\nr,0,0,fwd,0,compute,1,2,64\nr,0,0,fwd,0,kv,1,2\n",
      "data row 2 has 8 of the 9 columns (a file cut short?"),
+    # a line of spaces and tabs is no row (pandas skips it): the short row after it is data row 2
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,1\n  \t \nr,0,0,fwd,0,kv\n",
+     "data row 2 has 6 of the 7 columns"),
+    # ... but a quoted blank cell is a row, for pandas and for the message
+    (b'run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,1\n"  "\nr,0,0,fwd,0,kv,1\n',
+     "data row 2 has 1 of the 7 columns"),
+    # whole numbers beyond int64, named as written (pandas wrapped them round: -9.22337e+18, or -1)
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,1\nr,1e19,0,fwd,0,compute,1\n",
+     "column rank of data row 2 is 1e19, outside the 64-bit whole numbers (-9223372036854775808 to "
+     "9223372036854775807)"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,1\nr,18446744073709551615,0,fwd,0,kv,1\n",
+     "column rank of data row 2 is 18446744073709551615, outside the 64-bit whole numbers"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,1\nr,0,0,fwd,9223372036854775808,kv,1\n",
+     "column step of data row 2 is 9223372036854775808, outside the 64-bit whole numbers"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,1e300,fwd,0,compute,1\n",
+     "column iteration of data row 1 is 1e300, outside the 64-bit whole numbers"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,0,compute,1\n"
+     b"r,0,0,fwd,18446744073709551615,iteration,5\n", "column step of data row 2 is 18446744073709551615, outside"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,1_0,compute,1\n",
+     "column step of data row 1 is '1_0', not a whole number"),
 ])
 def test_report_refuses_what_is_not_a_bench_csv_naming_the_file(tmp_path, content, says):
     bad = tmp_path / "not-bench.csv"
@@ -469,3 +489,96 @@ def test_a_csv_from_a_pipe_is_read_once_and_a_folder_is_named_as_one(csvs, tmp_p
     assert "compute ms per rank" in res.stdout
     res = _report(tmp_path)
     assert res.exit_code == 2 and "a folder, not a CSV file" in res.stderr
+
+
+def test_whole_numbers_are_read_exactly_however_written(tmp_path):
+    """``2.0`` and ``1e1`` are whole numbers; a step of 2**62 + 1 stays that (no float between)."""
+    path = tmp_path / "exact.csv"
+    path.write_text("run_id,rank,iteration,phase,step,kind,dur_ms\nr,1.0,1e1,fwd,0,compute,1\n"
+                    "r,0,0,fwd,4611686018427387905,kv,1\n  \nr,+1,0,fwd,-1,iteration,2\n")
+    df = load([path])
+    assert df["rank"].tolist() == [1, 0, 1] and df["iteration"].tolist() == [10, 0, 0]
+    assert df["step"].tolist() == [0, 2 ** 62 + 1, -1] and str(df["step"].dtype) == "int64"
+
+
+def _long_packs(csv: Path, tmp_path: Path) -> Path:
+    """The run of ``csv`` as two cases, thd packs of 91 documents that differ in the last one only:
+    slugs that tell them apart list every length."""
+    rows = pd.read_csv(csv, dtype=str, keep_default_na=False)
+    packs = []
+    for last in (64, 192):
+        lengths = [64] * 90 + [last]
+        packs.append(rows.assign(docs=",".join(map(str, lengths)), s=str(sum(lengths))))
+    out = tmp_path / "long.csv"
+    pd.concat(packs).to_csv(out, index=False)
+    return out
+
+
+def test_pictures_of_packs_of_many_documents_get_bounded_names(csvs, tmp_path):
+    """Their slugs listed all 91 lengths: ``OSError: File name too long`` (a traceback). A slug over
+    SLUG_MAX keeps its start and ends in a hash of the whole, so the two cases keep apart."""
+    from sinkprof.tool.report import SLUG_MAX
+    res = _report(_long_packs(csvs[0], tmp_path), "--plot", tmp_path / "plots")
+    assert res.exit_code == 0, res.output
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    timelines = [n for n in names if n != "summary.png"]
+    assert len(names) == 5 and len(timelines) == 4, names
+    assert all(len(n.encode()) <= SLUG_MAX + len("-fwd.png") for n in names)
+    assert all(n.startswith("p2p-learnable-step0-causal-thd91docs-fp32-cp2-docs-64-64-") for n in timelines)
+    assert len({n.rsplit("-", 1)[0] for n in timelines}) == 2   # two cases, each a fwd and a bwd picture
+    assert all(f"wrote {tmp_path / 'plots' / n}" in " ".join(res.stdout.split()) for n in names)
+
+
+def test_a_picture_that_cannot_be_written_is_named(csvs, tmp_path):
+    """A failed write of a PNG was a traceback (a folder in its place) or ``write error: File too
+    large`` (``ulimit -f``), which reads like stdout's; it names the picture now."""
+    plots = tmp_path / "plots"
+    (plots / "summary.png").mkdir(parents=True)
+    res = _report(csvs[0], "--plot", plots)
+    said = " ".join(res.stderr.split())
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+    assert f"sinkprof: cannot write {plots / 'summary.png'}: Is a directory" in said
+    limited = tmp_path / "limited"
+    res = subprocess.run(f"ulimit -f 20; {__import__('sys').executable} -m sinkprof report {csvs[0]} --plot {limited}",
+                         shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 1 and re.search(rf"sinkprof: cannot write {limited}/\S+\.png: File too large", said), said
+
+
+def _cli(*args, **kwargs) -> subprocess.CompletedProcess:
+    """``python -m sinkprof ARGS`` by the shell (its descriptors as the redirects in ``args`` say)."""
+    return subprocess.run(f"{__import__('sys').executable} -m sinkprof " + " ".join(map(str, args)), shell=True,
+                          capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def test_pictures_into_a_descriptor_are_refused_as_the_other_outputs_are(csvs):
+    for args in (("--plot", "/dev/stdout", "| cat"), ("--plot", "/proc/self/fd/7")):
+        res = _cli("report", csvs[0], *args)
+        said = " ".join(res.stderr.split())
+        assert f"--plot {args[1]}: names a file descriptor; name a folder" in said, said
+        assert "Traceback" not in said and "wrote" not in res.stdout
+
+
+def test_two_names_of_stdout_are_named_as_typed(csvs):
+    """``--html /dev/stdout --chrome-trace /dev/fd/1`` said ``--html - and --chrome-trace -``."""
+    res = _cli("report", csvs[0], "--html", "/dev/stdout", "--chrome-trace", "/dev/fd/1", "| cat")
+    said = " ".join(res.stderr.split())
+    assert "--html /dev/stdout and --chrome-trace /dev/fd/1 would both write stdout" in said, said
+
+
+def test_stdout_into_an_input_csv_is_refused(csvs, tmp_path):
+    """``report in.csv --chrome-trace /dev/stdout >> in.csv`` appended the trace to its input; the
+    tables alone (``report in.csv >> in.csv``) corrupted it as well."""
+    mine = tmp_path / "in.csv"
+    shutil.copy(csvs[0], mine)
+    before = mine.read_bytes()
+    for args, what in ((("--chrome-trace", "/dev/stdout"), "--chrome-trace /dev/stdout"),
+                       (("--html", "-"), "--html -"), ((), "the summary tables")):
+        res = _cli("report", mine, *args, f">> {mine}")
+        said = " ".join(res.stderr.split())
+        assert res.returncode == 2, said
+        assert f"stdout is the CSV {mine} being read (a > or >> into it): {what} would be written into it" in said
+    assert mine.read_bytes() == before
+    res = _cli("report", mine, "--chrome-trace", "/dev/stdout", f"> {tmp_path / 'trace.json'}")
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

@@ -36,7 +36,7 @@ from .cases import Case, Settings, expand, seqlens_text
 from .errors import EXIT_OK
 from .launcher import RankInfo
 from .linkmodel import Link, predict
-from .output import STDOUT, CsvStream, atomic_path, same_target
+from .output import STDOUT, CsvStream, OutputError, atomic_path, check_writable, same_target
 
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
 COLUMNS = ["run_id", "timestamp", "rank", "iteration", "phase", "step", "kind", "start_ms", "end_ms", "dur_ms",
@@ -70,6 +70,8 @@ class BenchOptions:
         if self.trace is not None and self.csv is not None and same_target(self.csv, self.trace):
             raise ValueError(f"--csv {self.csv} and --trace {self.trace} name the same path: the CSV is a file, "
                              f"the traces go into a folder; give them different paths")
+        if self.csv is not None:   # FILE.partial, which the run writes first, must fit its folder too
+            check_writable(self.csv, "--csv", partial=True)
         if self.fault not in (None, *RANK_FAILURES):
             raise ValueError(f"--inject {self.fault.value!r}: bench injects only stall or crash; "
                              f"the others belong to check")
@@ -180,8 +182,12 @@ def _capture(device: torch.device, trace: Optional[str], rank: int):
             torch.cuda.cudart().cudaProfilerStop()
         if prof is not None:
             prof.__exit__(None, None, None)
-            with atomic_path(Path(trace) / f"rank{rank}.json") as tmp:
-                prof.export_chrome_trace(str(tmp))
+            path = Path(trace) / f"rank{rank}.json"
+            try:
+                with atomic_path(path) as tmp:
+                    prof.export_chrome_trace(str(tmp))
+            except OSError as exc:   # a full disk, a folder removed: named, as every output's failure is
+                raise OutputError(f"cannot write the trace {path}: {exc.strerror or exc}") from None
 
 
 def _progress(enabled: bool):

@@ -6,7 +6,8 @@ path, or ``-``) or to a file, whole: a temp file beside the target, then an atom
 FIFOs (``/dev/null``) in place, and give new files the umask's mode. Files that grow while a run
 goes (bench's CSV) are a ``CsvStream``: written as ``FILE.partial`` and renamed to ``FILE`` at the
 end, so a crash leaves the rows written so far. ``check_writable`` and ``check_folder`` let a
-command refuse an unwritable path before it starts.
+command refuse an unwritable path before it starts. A name of stdout (``/dev/stdout``,
+``/dev/fd/1``) is ``-``; a name of any other file descriptor is refused (``settle``).
 """
 from __future__ import annotations
 
@@ -67,35 +68,85 @@ def _in_place(path: Path) -> bool:
     return path.exists() and not path.is_file()
 
 
-def _descriptor(path) -> bool:
-    """``path`` or a link on its way is an entry of ``/proc/PID/fd`` (``/dev/stdout`` and
-    ``/dev/fd/N`` lead there): a file descriptor of this process, not a name of a file."""
+class Stdout(str):
+    """``-`` made by ``settle`` of a name of stdout: it compares and writes as ``-`` and keeps the
+    name as the user typed it (``typed``) for messages."""
+
+    typed: str
+
+    def __new__(cls, typed: str):
+        self = super().__new__(cls, STDOUT)
+        self.typed = typed
+        return self
+
+
+def typed(path):
+    """``path`` as the user typed it: ``/dev/stdout`` for the ``-`` that ``settle`` made of it."""
+    return getattr(path, "typed", path)
+
+
+# The folder of a process's (or one of its threads') file descriptors, as realpath gives it:
+# /dev/fd, /dev/stdout, /proc/self/fd, /proc/thread-self/fd and /proc/PID/task/TID/fd lead here.
+_FD_FOLDER = re.compile(r"/proc/(\d+)(?:/task/\d+)?/fd")
+
+
+def _descriptor(path, option: str) -> Optional[tuple[int, str]]:
+    """(process id, descriptor) when ``path`` or a link on its way is an entry of ``/proc/PID/fd``
+    (a file descriptor, not a name of a file); None for a name of a file. A link on the way that
+    cannot be read (``/proc/1/cwd`` of another user's process) is a ValueError naming ``option``."""
     p = os.path.abspath(path)
     for _ in range(40):   # the kernel's own limit on links followed
-        if re.fullmatch(r"/proc/[^/]+/fd", os.path.realpath(os.path.dirname(p))):
-            return True
-        if not os.path.islink(p):
-            return False
-        p = os.path.join(os.path.dirname(p), os.readlink(p))
-    return False
+        found = _FD_FOLDER.fullmatch(os.path.realpath(os.path.dirname(p)))
+        if found:
+            return int(found.group(1)), os.path.basename(p)
+        try:
+            if not os.path.islink(p):
+                return None
+            p = os.path.join(os.path.dirname(p), os.readlink(p))
+        except OSError as exc:
+            raise ValueError(f"{option} {path}: the link {p} cannot be followed ({exc.strerror or exc}); "
+                             f"choose another path") from None
+    return None
 
 
 def settle(path: Optional[str], option: str) -> Optional[str]:
-    """``path`` as a run writes it: ``-`` for a name of this process's stdout (``/dev/stdout``,
-    ``/dev/fd/1``), so the result goes where ``-`` sends it and nothing else is printed into it.
-    Another file descriptor is refused: a run's ranks do not share this process's descriptors, and
-    writing through its name would replace the file it points at."""
-    if path is None or path == STDOUT or not _descriptor(path):
+    """``path`` as a run writes it: ``-`` (a ``Stdout`` that remembers the name) for a name of this
+    process's stdout (``/dev/stdout``, ``/dev/fd/1``), so the result goes where ``-`` sends it and
+    nothing else is printed into it. Any other file descriptor is refused, each with what it is: a
+    result is written whole by a file's name (a temp file renamed over it), never through a
+    descriptor, so writing through its name would replace the file it points at, or fail."""
+    if path is None or path == STDOUT:
         return path
+    found = _descriptor(path, option)
+    if found is None:
+        return path
+    pid, fd = found
+    if pid != os.getpid():
+        raise ValueError(f"{option} {path}: names file descriptor {fd} of another process (pid {pid}), not a "
+                         f"file{_the_file(path)}, or - for stdout")
     try:
         named = os.stat(path)
-    except OSError:
-        raise ValueError(f"{option} {path}: names a closed file descriptor; name a file, or - for stdout") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.EBADF):
+            raise ValueError(f"{option} {path}: names file descriptor {fd}, which is closed; name a file, "
+                             f"or - for stdout") from None
+        raise ValueError(f"{option} {path}: names file descriptor {fd}, which cannot be followed "
+                         f"({exc.strerror or exc}); name a file, or - for stdout") from None
     with contextlib.suppress(OSError):   # stdout itself closed: the name is not stdout's
         if os.path.samestat(named, os.fstat(1)):
-            return STDOUT
-    raise ValueError(f"{option} {path}: names a file descriptor of this process (the ranks that write the result "
-                     f"do not share it); name a file, or - for stdout")
+            return Stdout(path)
+    raise ValueError(f"{option} {path}: names file descriptor {fd}, not a file: a result is written whole by "
+                     f"a file's name, and only stdout's descriptor is taken (as -){_the_file(path)}, or - for "
+                     f"stdout")
+
+
+def _the_file(path) -> str:
+    """The advice for a descriptor's name: the regular file it points at, when there is one."""
+    with contextlib.suppress(OSError):
+        real = os.path.realpath(path)
+        if os.path.isfile(real) and not _FD_FOLDER.match(real):
+            return f"; name the file itself ({real})"
+    return "; name a file"
 
 
 @contextlib.contextmanager
@@ -109,7 +160,9 @@ def atomic_path(path):
         yield path
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    # a bounded name: a target whose own name nearly fills NAME_MAX still gets its temp file
+    suffix = path.suffix if len(path.suffix) <= 16 else ""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem[:32]}.", suffix=f".tmp{suffix}", dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
@@ -121,10 +174,11 @@ def atomic_path(path):
         raise
 
 
-def check_writable(path: Optional[str], option: str) -> None:
+def check_writable(path: Optional[str], option: str, *, partial: bool = False) -> None:
     """Before a run: ``path`` (a file, or ``-`` for stdout) can be written, or a ValueError naming
-    ``option`` says why not (``settle`` first: the name of a descriptor). Missing folders are left
-    to the write, which makes them."""
+    ``option`` says why not (``settle`` first: the name of a descriptor). ``partial``: the file is
+    a ``CsvStream``, written first as ``FILE.partial``, whose name must fit too. Missing folders
+    are left to the write, which makes them."""
     if path == "":
         raise ValueError(f"{option} '': an empty path; name a file (or - for stdout)")
     if settle(path, option) in (None, STDOUT):
@@ -138,7 +192,34 @@ def check_writable(path: Optional[str], option: str) -> None:
             if not os.access(where, os.W_OK):
                 raise ValueError(f"{option} {path}: cannot be written (permission denied)")
             return
+        if partial:
+            _partial_fits(where, option, path)
         _probe_folder(where.parent, option, path)
+
+
+def _partial_fits(where: Path, option: str, path: str) -> None:
+    """``FILE.partial`` (and the ``FILE.partial.N`` an earlier run's is moved to) can be named in
+    ``where``'s folder: a name that fits only without the suffix is refused before a run."""
+    names = [f"{where.name}.partial"]
+    if os.path.lexists(f"{where}.partial"):
+        names.append(_aside(Path(f"{where}.partial")).name)
+    longest = max(names, key=lambda n: len(os.fsencode(n)))
+    most = _name_max(where.parent)
+    if len(os.fsencode(longest)) > most:
+        room = most - (len(os.fsencode(longest)) - len(os.fsencode(where.name)))
+        raise ValueError(f"{option} {path}: the run writes it first as {longest[len(where.name):]!r} beside it, "
+                         f"a name of {len(os.fsencode(longest))} bytes, more than the {most} a file name may have "
+                         f"here; choose a name of at most {room} bytes")
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name (bytes) the file system of ``folder`` (or of its nearest existing
+    parent) takes."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists() or p == p.parent)
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 def check_folder(path: Optional[str], option: str) -> None:
@@ -147,6 +228,8 @@ def check_folder(path: Optional[str], option: str) -> None:
         return
     if path in ("", STDOUT):
         raise ValueError(f"{option} {path!r}: name a folder (pictures are files, they cannot go to stdout)")
+    if _descriptor(path, option) is not None:
+        raise ValueError(f"{option} {path}: names a file descriptor; name a folder (the files are written into it)")
     with _os_errors(option, path):
         _loop_check(path, option)
         where = Path(os.path.realpath(path))
@@ -200,13 +283,24 @@ def _probe_folder(folder: Path, option: str, path: str) -> None:
 
 def write_text(path, text: str) -> Path:
     """Write ``text`` to ``path`` whole (flushed to disk before the rename); ``-`` is stdout."""
+    return _write_whole(path, text, "w")
+
+
+def write_bytes(path, data: bytes) -> Path:
+    """``write_text`` for bytes (a picture)."""
+    return _write_whole(path, data, "wb")
+
+
+def _write_whole(path, data, mode: str) -> Path:
+    """``data`` into ``path`` whole; any failure is an ``OutputError`` that names ``path``."""
     if str(path) == STDOUT:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        out = sys.stdout if mode == "w" else sys.stdout.buffer
+        out.write(data)
+        out.flush()
         return Path(path)
     try:
-        with atomic_path(path) as tmp, open(tmp, "w") as f:
-            f.write(text)
+        with atomic_path(path) as tmp, open(tmp, mode) as f:
+            f.write(data)
             f.flush()
             if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 os.fsync(f.fileno())
@@ -386,9 +480,14 @@ def _move_aside(path: Path) -> Optional[Path]:
     ``path.N``; returns the new name, or None when nothing was there."""
     if not os.path.lexists(path):
         return None
+    aside = _aside(path)
+    os.rename(path, aside)
+    return aside
+
+
+def _aside(path: Path) -> Path:
+    """The first free ``path.N`` (N = 1, 2, ...)."""
     n = 1
     while os.path.lexists(f"{path}.{n}"):
         n += 1
-    aside = Path(f"{path}.{n}")
-    os.rename(path, aside)
-    return aside
+    return Path(f"{path}.{n}")

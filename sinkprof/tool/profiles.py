@@ -96,8 +96,11 @@ def load(path: Path, name: Optional[str] = None) -> Profile:
         raise ValueError(f"profile {path}: invalid TOML: {exc}") from None
     except RecursionError:
         raise ValueError(f"profile {path}: invalid TOML: nested too deeply") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"profile {path}: cannot be read: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"profile {path}: cannot be read ({exc.strerror or exc}); name a profile file you can "
+                         f"read") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"profile {path}: cannot be read: {exc}; save it as UTF-8 text") from None
     description = data.pop("description", "")
     groups = data.pop("cases", [])
     if not isinstance(description, str):
@@ -127,7 +130,8 @@ def find(name: Optional[str]) -> Profile:
             if not path.is_file():
                 raise ValueError(f"--profile {name!r}: {'a folder, not a file' if path.is_dir() else 'no such file'}")
         except OSError as exc:   # a folder that cannot be entered
-            raise ValueError(f"--profile {name!r}: {exc.strerror or exc}") from None
+            raise ValueError(f"--profile {name!r}: {exc.strerror or exc}; name a profile file you can read "
+                             f"(or a named profile, see sinkprof profiles)") from None
         return load(path)
     known = available()
     if name not in known:
@@ -145,6 +149,10 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
     if ranks is not None:
         overrides["ranks"] = ranks
     env = torchrun_env()
+    if env is not None and cps and env.world > 1:
+        raise ValueError(f"--simulate under torchrun (WORLD_SIZE={env.world}): a simulation replays every rank on "
+                         f"one process, and each of torchrun's {env.world} processes would run all of it; run "
+                         f"sinkprof bench --simulate without torchrun")
     if env is not None:
         world = env.world
         if overrides.get("ranks", world) != world:

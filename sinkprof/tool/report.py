@@ -14,16 +14,19 @@ drawn from the same loaded frame.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import os
 import re
+import stat
 import sys
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Optional
 
 import pandas as pd
 
-from .output import STDOUT, Output, atomic_path, same_target, write_text
+from .output import STDOUT, Output, same_target, typed, write_bytes, write_text
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h", "g", "d", "cp",
              "kv_schedule", "backend", "simulated", "docs", "pack_layout"]
@@ -73,7 +76,7 @@ def _read_one(path) -> pd.DataFrame:
         raise ValueError(f"{path}: a binary file, not a sinkprof bench CSV")
     try:
         df = pd.read_csv(io.BytesIO(data), keep_default_na=False, na_values=[""],
-                         dtype={c: str for c in TEXT_COLUMNS})
+                         dtype={c: str for c in TEXT_COLUMNS + INT_COLUMNS})
         short = _short_row(data.decode())
     except (UnicodeDecodeError, csv.Error, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise ValueError(f"{path}: not a sinkprof bench CSV ({str(exc).splitlines()[0]})") from None
@@ -87,7 +90,11 @@ def _read_one(path) -> pd.DataFrame:
         row, fields = short
         raise ValueError(f"{path}: data row {row} has {fields} of the {len(df.columns)} columns (a file cut "
                          f"short? a run that stopped leaves its rows whole in FILE.partial)")
-    for col in INT_COLUMNS + FLOAT_COLUMNS:
+    written = {col: df[col] for col in INT_COLUMNS if col in df.columns}   # the cells as written
+    for col in INT_COLUMNS:
+        if col in df.columns:
+            df[col] = _whole_numbers(path, col, df[col])
+    for col in FLOAT_COLUMNS:
         if col not in df.columns:
             continue
         values = pd.to_numeric(df[col], errors="coerce")
@@ -96,15 +103,13 @@ def _read_one(path) -> pd.DataFrame:
         bad = (values.isna() & df[col].notna()) | values.isin([float("inf"), float("-inf")])
         if col in REQUIRED_COLUMNS:
             bad |= values.isna()
-        if col in INT_COLUMNS:
-            bad |= values.fillna(0) % 1 != 0
         if bad.any():
             row = int(bad.to_numpy().nonzero()[0][0])
             cell = df[col].iloc[row]
             raise ValueError(f"{path}: column {col} of data row {row + 1} is "
                              f"{'empty' if pd.isna(cell) else repr(cell) if isinstance(cell, str) else cell}, not a "
-                             f"{'whole' if col in INT_COLUMNS else 'finite'} number")
-        df[col] = values.astype("int64") if col in INT_COLUMNS else values.astype(float)
+                             f"finite number")
+        df[col] = values.astype(float)
     for col, allowed in (("phase", PHASES), ("kind", STEP_KINDS + ("iteration",))):
         bad = ~df[col].isin(allowed)
         if bad.any():
@@ -114,20 +119,84 @@ def _read_one(path) -> pd.DataFrame:
     for col, least in (("rank", 0), ("iteration", 0), ("step", -1), ("dur_ms", 0), ("bytes", 0), ("flops", 0)):
         if col in df.columns and (df[col] < least).any():
             row = int((df[col] < least).to_numpy().nonzero()[0][0])
-            raise ValueError(f"{path}: column {col} of data row {row + 1} is {df[col].iloc[row]:g}, "
-                             f"below its least value {least}")
+            cell = written[col].iloc[row].strip() if col in written else f"{df[col].iloc[row]:g}"
+            raise ValueError(f"{path}: column {col} of data row {row + 1} is {cell}, below its least value {least}")
     return df
 
 
+INT64 = (-2 ** 63, 2 ** 63 - 1)
+
+
+# A decimal number as a CSV writes one: ``-0.5``, ``1e19``; no ``inf``, no ``1_000``, no ``0x1``.
+NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _whole_numbers(path, col: str, cells: pd.Series) -> pd.Series:
+    """The cells (text) of a whole-number column as int64, each read exactly (``12``, ``1e3``,
+    ``2.0``); a ValueError names the first cell, as written, that is empty, not a whole number or
+    outside int64 (pandas would wrap it round, or round it through a float)."""
+    plain = cells.str.fullmatch(r"\s*[+-]?[0-9]{1,18}\s*").fillna(False).astype(bool)
+    if plain.all():   # the usual CSV: every cell fits
+        return cells.astype("int64")
+    for row in (~plain).to_numpy().nonzero()[0]:
+        cell = cells.iloc[row]
+        text = "" if pd.isna(cell) else cell.strip()
+        value = _exact(text)
+        where = f"{path}: column {col} of data row {row + 1} is"
+        if value is not None and not INT64[0] <= value <= INT64[1]:
+            raise ValueError(f"{where} {text}, outside the 64-bit whole numbers ({INT64[0]} to {INT64[1]})")
+        if value is None or value % 1:
+            shown = "empty" if not text else text if NUMBER.fullmatch(text) else repr(cell)
+            raise ValueError(f"{where} {shown}, not a whole number")
+    return cells.map(lambda cell: int(_exact(cell.strip()))).astype("int64")
+
+
+def _exact(text: str) -> Optional[Decimal]:
+    """The number ``text`` writes, exactly (``18446744073709551615`` and ``1e19`` stay what they
+    are); infinite for an exponent too large for a Decimal; None for no number (or one too small
+    for a Decimal, which is no whole number either)."""
+    if not NUMBER.fullmatch(text):
+        return None
+    try:
+        return Decimal(text)
+    except InvalidOperation:   # an exponent beyond 10**18: float() says which way
+        far = float(text)
+        return Decimal(far) if far else None
+
+
 def _short_row(text: str) -> Optional[tuple[int, int]]:
-    """The first data row (1-based) with fewer fields than the header, and its count of fields."""
+    """The first data row (1-based, counted as pandas counts them) with fewer fields than the
+    header, and its count of fields."""
     csv.field_size_limit(max(csv.field_size_limit(), len(text)))   # a long pack's docs cell is one field
-    rows = (row for row in csv.reader(io.StringIO(text, newline="")) if row)   # blank lines: pandas skips them
+    lines = _Lines(text)
+    # pandas skips a line of nothing but spaces and tabs (a quoted "  " is a row)
+    rows = (row for row in csv.reader(lines) if lines.taken().strip(" \t\r\n"))
     width = len(next(rows, []))
     for n, row in enumerate(rows, 1):
         if len(row) < width:
             return n, len(row)
     return None
+
+
+class _Lines:
+    """The lines of ``text`` for ``csv.reader``; ``taken()``: the text of the lines it read since
+    the last call (one record, which a quoted newline spreads over several lines)."""
+
+    def __init__(self, text: str):
+        self._lines = iter(io.StringIO(text, newline=""))
+        self._taken: list = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        line = next(self._lines)
+        self._taken.append(line)
+        return line
+
+    def taken(self) -> str:
+        text, self._taken = "".join(self._taken), []
+        return text
 
 
 def load(paths) -> pd.DataFrame:
@@ -520,7 +589,20 @@ def slugs(cases: pd.DataFrame) -> dict:
     for key in sorted(base, key=lambda k: tuple(map(str, k))):
         slug = "-".join(base[key])
         named[key] = slug if slug not in named.values() else f"{slug}-{list(named.values()).count(slug) + 1}"
-    return named
+    return {key: _bounded(slug) for key, slug in named.items()}
+
+
+SLUG_MAX = 120   # characters: a file name ``<slug>-<phase>.png`` stays far below NAME_MAX (255 bytes)
+
+
+def _bounded(slug: str) -> str:
+    """``slug``, or when longer than SLUG_MAX (a pack of many documents tells cases apart by their
+    lengths) its start and a hash of the whole, which keeps slugs that differ apart."""
+    if len(slug) <= SLUG_MAX:
+        return slug
+    digest = hashlib.sha1(slug.encode()).hexdigest()[:12]
+    head = slug[:SLUG_MAX - len(digest)]
+    return f"{head[:head.rfind('-')] if '-' in head else head[:-1]}-{digest}"   # cut between parts
 
 
 def summarize(df: pd.DataFrame, console) -> None:
@@ -605,8 +687,7 @@ def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), htm
         if plot_dir:
             for name, png in pictures.files().items():
                 path = Path(plot_dir) / name
-                with atomic_path(path) as tmp:
-                    tmp.write_bytes(png)
+                write_bytes(path, png)   # a failure is an OutputError naming the picture
                 written.append(str(path))
         if html:
             from .page import page
@@ -624,14 +705,40 @@ def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), htm
 
 
 def check_outputs(paths, html: Optional[str], chrome_trace: Optional[str]) -> None:
-    """The page and the trace go to different places, neither over an input CSV."""
+    """The page and the trace go to different places, neither over an input CSV; nor does stdout
+    (the tables, or a page or trace given as ``-``) go into one (``>> in.csv``). Messages name the
+    paths as typed (``/dev/stdout``, not the ``-`` that ``output.settle`` made of it)."""
     if html is not None and chrome_trace is not None and (html == chrome_trace == STDOUT
                                                           or same_target(html, chrome_trace)):
-        where = "stdout" if html == STDOUT else html
-        raise ValueError(f"--html {html} and --chrome-trace {chrome_trace} would both write {where}: "
-                         f"give them different files")
+        where = "stdout" if html == STDOUT else typed(html)
+        raise ValueError(f"--html {typed(html)} and --chrome-trace {typed(chrome_trace)} would both write "
+                         f"{where}: give them different files")
     for option, out in (("--html", html), ("--chrome-trace", chrome_trace)):
         for path in paths if out is not None else ():
             if same_target(out, path):
-                raise ValueError(f"{option} {out} is the CSV {path} being read: it would be overwritten; "
+                raise ValueError(f"{option} {typed(out)} is the CSV {path} being read: it would be overwritten; "
                                  f"write it elsewhere")
+    into = _stdout_input(paths)
+    if into is not None:
+        given = [f"{option} {typed(out)}" for option, out in (("--html", html), ("--chrome-trace", chrome_trace))
+                 if out == STDOUT]
+        what = " and ".join(given) if given else "the summary tables"
+        raise ValueError(f"stdout is the CSV {into} being read (a > or >> into it): {what} would be written into "
+                         f"it; send stdout elsewhere")
+
+
+def _stdout_input(paths) -> Optional[str]:
+    """The input CSV that stdout is (``report in.csv >> in.csv``), or None."""
+    try:
+        out = os.fstat(1)
+    except OSError:   # closed: nothing is written there
+        return None
+    if not stat.S_ISREG(out.st_mode):
+        return None
+    for path in paths:
+        try:
+            if os.path.samestat(os.stat(path), out):
+                return str(path)
+        except OSError:   # unreadable: load() says so
+            continue
+    return None
