@@ -9,6 +9,7 @@
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
+# session20 session20b session20c
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -506,4 +507,22 @@ fi
 if [[ $what == *" prof11 "* ]]; then   # <= 150 s: every timed rank's kernels one by one, h16 cp 8 causal
   run ring_prof11 150 python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" --masks causal \
       --ring-backends fa4+comm --profile-step --out "$OUT/ring_prof11.json"
+fi
+if [[ $what == *" session20 "* ]]; then   # <= 560 s: the loopback's copies beside an FA4 call (DMA or SM copies),
+  # the CLI's GPU path since ab019af (check on fa4 at 2 ranks), then issue 11's h16 table for the bare schedule (the
+  # issue's own measure: no communication) and the ring's own code over the loopback, in one interleaved run a config
+  run copy_probe20 ${PROBE_S:-90} python3 scripts/copy_probe.py
+  run check_fa4_20 ${CHECK_S:-150} $SP check --device cuda --backend fa4 --ranks 2 --comm p2p,a2a --softmax all \
+      --mask all --kv-schedule all --dtype bf16,fp16 --sink-strategy all --sink-grad full --batch 1 --seq-len 4096 \
+      --heads 8 --kv-heads 4 --head-dim 64 --run-timeout 140 --format json --output "$OUT/check_fa4_20.json"
+  run ring20 ${RING_S:-300} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4" \
+      --ring-backends fa4,fa4+comm --out "$OUT/ring20.json"
+fi
+if [[ $what == *" session20b "* ]]; then   # <= 560 s: the same at h16 cp 8 and gpt-oss cp 2
+  run ring20b ${RING_S:-540} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8;gpt-oss:2" \
+      --ring-backends fa4,fa4+comm --out "$OUT/ring20b.json"
+fi
+if [[ $what == *" session20c "* ]]; then   # <= 560 s: the same at gpt-oss cp 4 and 8
+  run ring20c ${RING_S:-540} python3 scripts/bench_kernels.py --skip-tiles --rings "gpt-oss:4,8" \
+      --ring-backends fa4,fa4+comm --out "$OUT/ring20c.json"
 fi
