@@ -1,13 +1,15 @@
-"""What a loopback message costs an FA4 call beside it: a same-device copy (as
-``bench_kernels.Loopback`` makes one, ``dst.copy_(src)`` on a stream of its own) is either a DMA
-copy on the GPU's copy engines (contiguous tensors: ``cudaMemcpyAsync``) or a copy kernel on the
-SMs (strided ones). FA4's calls hold every SM, so a copy kernel waits for SMs, where a DMA copy
-would share only memory bandwidth with the call (docs/design.md, section 7).
+"""What a loopback message costs an FA4 call beside it. ``bench_kernels.Loopback`` makes a message
+a same-device copy (``dst.copy_(src)`` on a stream of its own): for contiguous tensors a
+``cudaMemcpyAsync``, which issued eagerly runs on the copy engines (``Memcpy DtoD``) but which a
+CUDA graph, as the rings are timed, may run as a copy kernel on the SMs; for strided ones a copy
+kernel (here a transpose, whose access pattern also makes it slower). A kernel beside an FA4 call
+competes for its SMs, a DMA copy only for its memory bandwidth (docs/design.md, section 7).
 
 Each variant is a CUDA graph replayed in the interleaved rounds of ``bench_kernels.interleaved_ms``:
 the FA4 call alone, each copy alone, and the call with the copy issued on a second stream just
 before it (the ring posts a message before the call that should hide it) or just after it; then
-the profiler's name for each copy (a ``Memcpy DtoD`` activity, or a kernel).
+the profiler's name for each copy, issued eagerly and replayed in a graph (a ``Memcpy DtoD``
+activity, or a kernel: a graph may run a device-to-device memcpy node as one).
 
     python3 scripts/copy_probe.py [--mib 64,256] [--heads 16] [--head-dim 128] [--rows 8192]
 """
@@ -90,12 +92,15 @@ def main() -> None:
                 print(f"  {cname} + {kname} ({order}): {both:.3f} ms; the copy's "
                       f"{timed[kname]['ms']:.3f} ms {100 * hidden:.0f}% hidden")
     from torch.profiler import ProfilerActivity, profile
-    for kname, copy in copies.items():
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            copy()
-            torch.cuda.synchronize()
-        names = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
-        print(f"  {kname}: {names}")
+    from bench_kernels import capture
+    for kname, copy in copies.items():   # what runs the copy, issued eagerly and replayed in a graph
+        graph = capture(copy, 1)
+        for how, run in (("eager", copy), ("graph", graph.replay)):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run()
+                torch.cuda.synchronize()
+            names = sorted({e.name[:80] for e in prof.events() if e.device_type.name == "CUDA"})
+            print(f"  {kname}, {how}: {names}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
-# session20 session20b session20c
+# session20 session20b session20c prof21
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -525,4 +525,9 @@ fi
 if [[ $what == *" session20c "* ]]; then   # <= 560 s: the same at gpt-oss cp 4 and 8
   run ring20c ${RING_S:-540} python3 scripts/bench_kernels.py --skip-tiles --rings "gpt-oss:4,8" \
       --ring-backends fa4,fa4+comm --out "$OUT/ring20c.json"
+fi
+if [[ $what == *" prof21 "* ]]; then   # <= 300 s: where the loopback ring's forward loses 4-9 points against the bare
+  # schedule at h16 d128 (twentieth session): both profiled in one run, the copies' share (DMA, beside the calls) apart
+  run ring_prof21 ${RING_S:-280} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4" --masks causal \
+      --ring-backends fa4,fa4+comm --profile-step --out "$OUT/ring_prof21.json"
 fi
