@@ -136,6 +136,18 @@ def parse_dtype(name: str, arg: str = "dtype") -> torch.dtype:
     return DTYPES[name]
 
 
+def check_dtype(dtype, arg: str = "dtype") -> torch.dtype:
+    """A dtype attention runs in: one of ``DTYPES``, as a ``torch.dtype`` or by name (``parse_dtype``)."""
+    if isinstance(dtype, str):
+        return parse_dtype(dtype, arg)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{arg}={dtype!r} must be a torch.dtype (or its name: {', '.join(DTYPES)}), "
+                        f"not {type(dtype).__name__}")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"{arg}={dtype} is not supported; use one of {', '.join(DTYPES)}")
+    return dtype
+
+
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype for statistics and accumulators: fp64 stays fp64, everything else uses fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -256,6 +268,21 @@ def window_pair(window, arg: str = "window") -> tuple[int, int]:
     return left, right
 
 
+def check_int(value, arg: str, low: Optional[int] = None, what: str = "") -> int:
+    """``value`` as an int: an integer (a float, even ``2.0``, or a bool is a TypeError), at least
+    ``low`` if given (a ValueError). ``what`` tells in the errors what the number counts, as
+    ``" (ranks in the CP group)"``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{arg}={value!r} must be an int{what}, not {type(value).__name__}") from None
+    if low is not None and n < low:
+        raise ValueError(f"{arg}={n} must be >= {low}{what}")
+    return n
+
+
 SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)   # what torch.manual_seed (and a torch.Generator) accepts
 
 
@@ -316,6 +343,14 @@ BALANCED_RUNS = ("pack_layout='balanced' gives a document's pieces to a few rank
                  "rank: it runs under comm='p2p' with kv_schedule='allgather' (or 'auto', which then takes it)")
 
 
+def check_runs(layout: PackLayout, comm: CommType, kv_schedule: KVSchedule) -> None:
+    """A pack's layout runs under this comm and K/V schedule: the balanced one under p2p with
+    ``allgather`` (or ``auto``, which then takes it) only."""
+    if layout is PackLayout.BALANCED and (
+            comm is not CommType.P2P or kv_schedule not in (KVSchedule.AUTO, KVSchedule.ALLGATHER)):
+        raise ValueError(f"comm={comm.value!r}, kv_schedule={kv_schedule.value!r}: {BALANCED_RUNS}")
+
+
 def make_spec(softmax_type, mask, window, qkv_format, cu_seqlens=None, pack_layout="zigzag") -> AttnSpec:
     softmax_type = SoftmaxType.parse(softmax_type, "softmax_type")
     mask = MaskType.parse(mask, "mask")
@@ -345,6 +380,12 @@ class Dims:
     d: int
 
 
+def check_gqa(h: int, g: int) -> None:
+    """The ``h`` query heads share the ``g`` K/V heads in equal groups (GQA/MQA)."""
+    if g == 0 or h % g:
+        raise ValueError(f"q has {h} heads and k, v have {g}: h must be a multiple of g (GQA/MQA)")
+
+
 def check_qkv(q, k, v, fmt: QKVFormat) -> Dims:
     """Validate q, k, v (``[b, s, h, d]``, ``[s, b, h, d]`` or ``[t, h, d]``, GQA allowed) and
     return their sizes (``b = 1`` for thd)."""
@@ -355,8 +396,7 @@ def check_qkv(q, k, v, fmt: QKVFormat) -> Dims:
         if x.dim() != want:
             raise ValueError(f"{name} must be {want}-D {fmt.layout} for qkv_format={fmt.value!r}, "
                              f"got shape {tuple(x.shape)}")
-        if x.dtype not in DTYPE_NAMES:
-            raise ValueError(f"{name}.dtype={x.dtype} is not supported; use one of {', '.join(DTYPES)}")
+        check_dtype(x.dtype, f"{name}.dtype")
     if fmt is QKVFormat.THD:
         q, k, v = (x.unsqueeze(0) for x in (q, k, v))
         fmt = QKVFormat.BSHD
@@ -374,8 +414,7 @@ def check_qkv(q, k, v, fmt: QKVFormat) -> Dims:
     if k.shape[3] != d:
         raise ValueError(f"k head dim {k.shape[3]} differs from q head dim {d}")
     g = k.shape[2]
-    if g == 0 or h % g:
-        raise ValueError(f"q has {h} heads and k, v have {g}: h must be a multiple of g (GQA/MQA)")
+    check_gqa(h, g)
     if min(b, s_q, k.shape[sd], d) == 0:
         raise ValueError(f"q, k, v must not be empty, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     return Dims(b, s_q, k.shape[sd], h, g, d)
@@ -468,6 +507,23 @@ def a2a_sizes(world: Optional[int] = None, h: Optional[int] = None, g: Optional[
     them must be given)."""
     given = [n for n in (world, h, g) if n is not None]
     return tuple(n for n in range(1, math.gcd(*given) + 1) if all(m % n == 0 for m in given))
+
+
+def a2a_members(comm: CommType, world: int, a2a_size: Optional[int]) -> int:
+    """Ranks per inner a2a group of ``comm`` over a CP group of ``world`` ranks, given ``a2a_size`` as
+    ``cp_attention`` takes it: ``a2a+p2p`` needs it; ``p2p`` takes none (or 1), ``a2a`` none (or the
+    whole group). Whether the groups tile the CP group is ``check_a2a_size``'s to say."""
+    if comm is CommType.P2P:
+        if a2a_size not in (None, 1):
+            raise ValueError(f"a2a_size={a2a_size} only applies to comm='a2a+p2p'")
+        return 1
+    if comm is CommType.A2A:
+        if a2a_size is not None and a2a_size != world:
+            raise ValueError(f"a2a_size={a2a_size}: comm='a2a' uses the whole group; use comm='a2a+p2p'")
+        return world
+    if a2a_size is None:
+        raise ValueError("comm='a2a+p2p' needs a2a_size (ranks per inner a2a group)")
+    return a2a_size
 
 
 def check_a2a_size(a2a_size: int, world: int, h: Optional[int] = None, g: Optional[int] = None) -> None:

@@ -34,12 +34,14 @@ import bisect
 import dataclasses
 import functools
 import itertools
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .options import BALANCED_RUNS, AttnSpec, Band, KVSchedule, PackLayout, doc_lengths
+from .options import BALANCED_RUNS, AttnSpec, Band, KVSchedule, PackLayout, check_int, doc_lengths
 
 
 PARTS = 8   # later tiles' results waiting for their merge at most: the forward's memory is PARTS x the rank's o
@@ -514,13 +516,91 @@ def _pack_layout(cu_seqlens, length: int, cp: int, pack_layout) -> Layout:
     return spec_layout(AttnSpec(docs=docs, pack_layout=layout), length, cp)
 
 
+def _shards_layout(cu_seqlens, rows: int, cp: int, pack_layout, seq_dim: int) -> Layout:
+    """The layout ``unshard``'s ``cp`` shards of ``rows`` rows each were cut in. A layout that
+    cannot hold the pack means the shards were cut in another one (or from another pack), not that
+    the pack needs padding: the error says which layout holds it, if one does."""
+    asked = PackLayout.parse(pack_layout, "pack_layout")
+    if cu_seqlens is None:
+        return _pack_layout(None, cp * rows, cp, asked)
+    docs = doc_lengths(cu_seqlens)
+    ends = [0, *itertools.accumulate(docs)]
+    if ends[-1] != cp * rows:
+        raise ValueError(f"cu_seqlens ends at {ends[-1]} but the {cp} shards hold {cp} x {rows} = {cp * rows} rows "
+                         f"along dim {seq_dim}; pass the cu_seqlens used to shard them, one shard per rank")
+    for layout in (asked, *(other for other in PackLayout if other is not asked)):
+        try:
+            found = _pack_layout(cu_seqlens, cp * rows, cp, layout)
+        except ValueError:
+            continue
+        if layout is asked:
+            return found
+        raise ValueError(f"pack_layout={asked.value!r} cannot lay out the pack cu_seqlens={ends} over {cp} ranks, so "
+                         f"these shards were not cut in it; pass the pack_layout used to shard them: "
+                         f"pack_layout={layout.value!r}")
+    raise ValueError(f"no pack_layout lays out the pack cu_seqlens={ends} over {cp} ranks, so these {cp} shards were "
+                     f"not cut from it; pass the cu_seqlens and pack_layout used to shard them, one shard per rank")
+
+
+def _check_tensor(x, arg: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        kind = type(x).__name__ if type(x).__module__ == "builtins" else f"{type(x).__module__}.{type(x).__name__}"
+        raise TypeError(f"{arg} must be a torch.Tensor, got {kind}; torch.as_tensor makes one")
+
+
+def _check_dim(dim, x: torch.Tensor, arg: str, name: str) -> int:
+    """``dim`` as an int, a dim of ``x`` (negative ones count from the end, as in torch)."""
+    dim = check_int(dim, arg, what=" (the sequence dim)")
+    n = x.dim()
+    if n == 0:
+        raise ValueError(f"{arg}={dim}: {name} is 0-d (a scalar), with no sequence dim; pass the tensor of the "
+                         f"sequence")
+    if not -n <= dim < n:
+        raise ValueError(f"{arg}={dim} is out of range for {name} of shape {tuple(x.shape)}: use a dim from "
+                         f"{-n} to {n - 1}")
+    return dim
+
+
+def _check_pad_value(value, dtype: torch.dtype) -> None:
+    """A pad value that ``dtype`` holds: a floating dtype rounds it (but does not overflow), an
+    integer or bool one must hold it exactly (``new_full`` would truncate 0.5 or refuse nan)."""
+    v = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    if not isinstance(v, numbers.Number):
+        raise TypeError(f"value={value!r} must be a number (the pad tokens' value), not {type(value).__name__}")
+    if dtype.is_complex:
+        return
+    if not isinstance(v, numbers.Real):
+        want = "a real number"
+    elif dtype.is_floating_point:
+        top = torch.finfo(dtype).max
+        if not ((isinstance(v, numbers.Integral) or math.isfinite(v)) and abs(v) > top):
+            return
+        want = f"a number within +-{top:g} (or +-inf, nan)"
+    elif dtype == torch.bool:
+        if v in (0, 1):
+            return
+        want = "0 or 1 (False or True)"
+    else:
+        info = torch.iinfo(dtype)
+        whole = isinstance(v, numbers.Integral) or math.isfinite(v) and float(v).is_integer()
+        if whole and info.min <= v <= info.max:
+            return
+        want = f"a whole number from {info.min} to {info.max}"
+    raise ValueError(f"value={value!r} is not representable in x's dtype {dtype} (the pad tokens take it): "
+                     f"give {want}")
+
+
 def shard(x: torch.Tensor, cp_size: int, rank: int, seq_dim: int, cu_seqlens=None,
           pack_layout="zigzag") -> torch.Tensor:
     """Rank ``rank``'s load-balanced shard of a full-sequence tensor: chunks r and 2cp-1-r (of
     every document of a thd pack, given ``cu_seqlens``, document after document); with
     ``pack_layout="balanced"`` the pack's rows of ``balanced_layout``."""
+    _check_tensor(x, "x")
+    cp_size = check_int(cp_size, "cp_size", 1, " (ranks in the CP group)")
+    rank = check_int(rank, "rank", what=" (a rank of the CP group)")
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank={rank} must be in [0, cp_size={cp_size})")
+    seq_dim = _check_dim(seq_dim, x, "seq_dim", "x")
     layout = _pack_layout(cu_seqlens, x.shape[seq_dim], cp_size, pack_layout)
     if len(layout.docs) == 1:
         parts = x.chunk(2 * cp_size, dim=seq_dim)
@@ -529,28 +609,51 @@ def shard(x: torch.Tensor, cp_size: int, rank: int, seq_dim: int, cu_seqlens=Non
     return x.index_select(seq_dim, layout.rows(rank, x.device))
 
 
+def _check_shards(shards: list, seq_dim) -> int:
+    """One shard per rank of one tensor: tensors of one shape, dtype and device; ``seq_dim`` as an int."""
+    for rank, part in enumerate(shards):
+        _check_tensor(part, f"shards[{rank}] (the shard of rank {rank})")
+    first = shards[0]
+    seq_dim = _check_dim(seq_dim, first, "seq_dim", "the shard of rank 0")
+    for rank, part in enumerate(shards[1:], 1):
+        if part.dim() != first.dim():
+            raise ValueError(f"shard of rank {rank} has {part.dim()} dims (shape {tuple(part.shape)}) but rank 0's "
+                             f"has {first.dim()} ({tuple(first.shape)}); pass the shards of one tensor, one per rank")
+        if part.shape[seq_dim] != first.shape[seq_dim]:
+            raise ValueError(f"shard of rank {rank} has {part.shape[seq_dim]} rows along dim {seq_dim} but rank 0's "
+                             f"has {first.shape[seq_dim]}; every rank holds as many rows (pass the shards of one "
+                             f"tensor, one per rank, as sinkprof.shard cut them)")
+        for d, (n, m) in enumerate(zip(part.shape, first.shape)):
+            if n != m:
+                raise ValueError(f"shard of rank {rank} has size {n} along dim {d} but rank 0's has {m}; the shards "
+                                 f"of one tensor differ only in their rows (along seq_dim={seq_dim})")
+        if part.dtype != first.dtype:
+            raise ValueError(f"shard of rank {rank} is {part.dtype} but rank 0's is {first.dtype}; the shards of one "
+                             f"tensor share a dtype (convert them to one with .to(dtype) first)")
+        if part.device != first.device:
+            raise ValueError(f"shard of rank {rank} is on {part.device} but rank 0's is on {first.device}; move the "
+                             f"shards to one device first")
+    return seq_dim
+
+
 def unshard(shards, seq_dim: int, cu_seqlens=None, pack_layout="zigzag") -> torch.Tensor:
     """The full sequence (or thd pack, given ``cu_seqlens``) from the shards of ranks 0..cp-1:
-    the inverse of ``shard``."""
+    the inverse of ``shard``, given the ``cu_seqlens`` and ``pack_layout`` it was given."""
     shards = list(shards)
     cp = len(shards)
     if cp == 0:
         raise ValueError("shards must hold one tensor per rank, got none")
-    for rank, part in enumerate(shards):
-        if part.shape[seq_dim] % 2:
-            raise ValueError(f"shard of rank {rank} has odd length {part.shape[seq_dim]} along dim {seq_dim}")
+    seq_dim = _check_shards(shards, seq_dim)
+    rows = shards[0].shape[seq_dim]
+    if rows % 2:
+        raise ValueError(f"shard of rank 0 has odd length {rows} along dim {seq_dim}")
+    layout = _shards_layout(cu_seqlens, rows, cp, pack_layout, seq_dim)
     if cu_seqlens is None:
-        _pack_layout(None, 2 * cp, cp, pack_layout)
         halves: list[Optional[torch.Tensor]] = [None] * (2 * cp)
         for rank, part in enumerate(shards):
             first, second = chunk_ids(cp, rank)
             halves[first], halves[second] = part.chunk(2, dim=seq_dim)
         return torch.cat(halves, dim=seq_dim)
-    layout = _pack_layout(cu_seqlens, sum(p.shape[seq_dim] for p in shards), cp, pack_layout)
-    for rank, part in enumerate(shards):
-        if part.shape[seq_dim] != layout.shard_rows:
-            raise ValueError(f"shard of rank {rank} has {part.shape[seq_dim]} rows along dim {seq_dim}; every rank "
-                             f"holds {layout.shard_rows} rows of this pack")
     joined = torch.cat(shards, dim=seq_dim)
     where = torch.cat([layout.rows(r, joined.device) for r in range(cp)])
     return joined.index_select(seq_dim, torch.argsort(where))
@@ -560,14 +663,17 @@ def pad_pack(x: torch.Tensor, cu_seqlens, multiple: int, seq_dim: int = 0, value
     """Pad every document of a thd pack at its end to a multiple of ``multiple`` tokens (``2 * cp``
     for a load-balanced CP layout). Returns ``(padded, cu_seqlens_padded, real)``: the padded pack,
     its document boundaries (an int32 tensor on x's device) and a bool mask over the padded tokens,
-    True for the real ones (``padded[real]`` along ``seq_dim`` is ``x``).
+    True for the real ones (``padded[real]`` along ``seq_dim`` is ``x``). ``value`` fills the pad
+    tokens: a number x's dtype holds (exactly, for an integer dtype).
 
     The pad tokens join the end of their document, after every real token: under a causal mask
     (with or without a left window) no real row sees them, so the real rows' output and the
     gradients of the real tokens are exact (give the pad rows a zero output gradient). Under
     ``no_mask`` or a right window real rows would attend to them: pad such packs in the model."""
-    if multiple < 1:
-        raise ValueError(f"multiple={multiple} must be >= 1")
+    _check_tensor(x, "x")
+    multiple = check_int(multiple, "multiple", 1, " (2 * cp for a CP layout)")
+    seq_dim = _check_dim(seq_dim, x, "seq_dim", "x")
+    _check_pad_value(value, x.dtype)
     docs = doc_lengths(cu_seqlens)
     if sum(docs) != x.shape[seq_dim]:
         raise ValueError(f"cu_seqlens ends at {sum(docs)} but x has {x.shape[seq_dim]} tokens along dim {seq_dim}")

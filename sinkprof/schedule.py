@@ -35,8 +35,8 @@ from typing import Optional
 
 import torch
 
-from .options import (BALANCED_RUNS, CommType, KVSchedule, PackLayout, accum_dtype, check_a2a_size, check_heads,
-                      make_spec)
+from .options import (CommType, KVSchedule, PackLayout, a2a_members, accum_dtype, check_a2a_size, check_dtype,
+                      check_gqa, check_heads, check_int, check_runs, make_spec)
 from .plan import RankPlan, as_layout, join_runs, ring_plan, rows_in, spec_layout
 
 PHASE_KINDS = (("fwd", "kv"), ("fwd", "a2a"), ("bwd", "kv"), ("bwd", "dkv"), ("bwd", "a2a"))
@@ -286,19 +286,17 @@ class CaseComm:
 def case_comm(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp: int, mask="no_mask", window=None,
               comm="p2p", a2a_size: Optional[int] = None, kv_schedule="auto", cu_seqlens=None,
               pack_layout="zigzag") -> CaseComm:
-    """The schedule and message sizes of one case (the arguments of ``comm_bytes``)."""
+    """The schedule and message sizes of one case (the arguments of ``comm_bytes``, which checks
+    them; ``a2a_size`` counts under ``a2a+p2p`` only)."""
     spec = make_spec("vanilla", mask, window, "bshd" if cu_seqlens is None else "thd", cu_seqlens, pack_layout)
     comm_type = CommType.parse(comm, "comm")
-    members = {CommType.P2P: 1, CommType.A2A: cp}.get(comm_type, a2a_size)
-    if members is None:
-        raise ValueError("comm='a2a+p2p' needs a2a_size (ranks per inner a2a group)")
+    members = a2a_members(comm_type, cp, a2a_size if comm_type is CommType.A2A_P2P else None)
     check_a2a_size(members, cp)
     check_heads(h, g, members)
     ring_size = cp // members
     if spec.docs and sum(spec.docs) != s:
         raise ValueError(f"cu_seqlens ends at {sum(spec.docs)} but s={s}")
-    if spec.pack_layout is PackLayout.BALANCED and members > 1:
-        raise ValueError(BALANCED_RUNS)
+    check_runs(spec.pack_layout, comm_type, KVSchedule.parse(kv_schedule, "kv_schedule"))
     spec_layout(spec, s, cp)   # the layout exists (a zigzag one: every document splits into 2 * cp chunks)
     kv_row, dkv_row = row_bytes(b, g // members, d, dtype)
     schedule = comm_schedule(kv_schedule, ring_size, spec_layout(spec, s, ring_size), spec.band, kv_row, dkv_row) \
@@ -320,10 +318,16 @@ def comm_bytes(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp
     ``o * a2a_size ..``, its ring links the ranks ``j * a2a_size + i``.
     ``sum(t.sent for t in comm_bytes(...) if t.rank == r)`` is what rank r sends in all. A thd
     pack of ``s`` tokens gives its document boundaries as ``cu_seqlens`` (and ``b = 1``) and its
-    ``pack_layout``."""
-    case = case_comm(s=s, b=b, h=h, g=g, d=d, dtype=dtype, cp=cp, mask=mask, window=window, comm=comm,
-                     a2a_size=a2a_size, kv_schedule=kv_schedule, cu_seqlens=cu_seqlens, pack_layout=pack_layout)
-    a = case.a2a_size
+    ``pack_layout``.
+
+    The arguments are checked as ``cp_attention`` checks its own: sizes are positive ints, ``h`` a
+    multiple of ``g``, ``dtype`` one attention runs in (a ``torch.dtype`` or its name, ``"bf16"``),
+    ``a2a_size`` only with ``comm="a2a+p2p"`` (or the whole group under ``a2a``), and a pack
+    (``cu_seqlens``) is one sequence, ``b = 1``."""
+    args = _checked_case(s=s, b=b, h=h, g=g, d=d, dtype=dtype, cp=cp, comm=comm, a2a_size=a2a_size,
+                         cu_seqlens=cu_seqlens)
+    case = case_comm(**args, mask=mask, window=window, kv_schedule=kv_schedule, pack_layout=pack_layout)
+    cp, a = args["cp"], case.a2a_size
     out = []
     for rank in range(cp):
         outer, inner = divmod(rank, a)
@@ -334,6 +338,24 @@ def comm_bytes(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp
             out.append(Transfer(rank, t.phase, t.step, t.kind, outer * a + t.peer, t.sent, t.received,
                                 t.messages_sent, t.messages_received))
     return out
+
+
+_SIZES = {"s": " (tokens of the whole sequence)", "b": " (sequences in the batch)", "h": " (query heads)",
+          "g": " (K/V heads)", "d": " (the head dim)", "cp": " (ranks in the CP group)"}
+
+
+def _checked_case(*, dtype, comm, a2a_size, cu_seqlens, **sizes) -> dict:
+    """``comm_bytes``'s arguments checked by the library's own checks (``cp_attention``'s rules),
+    as ``case_comm`` takes them: the sizes as ints, the dtype as a ``torch.dtype``."""
+    args = {name: check_int(sizes[name], name, 1, what) for name, what in _SIZES.items()}
+    check_gqa(args["h"], args["g"])
+    if a2a_size is not None:
+        a2a_size = check_int(a2a_size, "a2a_size", None, " (ranks per inner a2a group)")
+    a2a_members(CommType.parse(comm, "comm"), args["cp"], a2a_size)
+    if cu_seqlens is not None and args["b"] != 1:
+        raise ValueError(f"b={args['b']} with cu_seqlens: a thd pack is one sequence of documents ([t, h, d], "
+                         f"b = 1); pass b=1 and every sequence's documents in the pack's cu_seqlens")
+    return dict(args, dtype=check_dtype(dtype), comm=comm, a2a_size=a2a_size, cu_seqlens=cu_seqlens)
 
 
 def resolved_kv_schedule(**case) -> Optional[KVSchedule]:

@@ -135,7 +135,8 @@ def test_shard_unshard_round_trip(cp):
 def test_unshard_refuses_shards_of_the_wrong_size():
     docs = [8, 24]
     shards = [sinkprof.shard(torch.arange(32), 2, r, 0, cu(docs), pack_layout="balanced") for r in range(2)]
-    with pytest.raises(ValueError, match=re.escape("shard of rank 0 has 14 rows along dim 0; every rank holds 16")):
+    with pytest.raises(ValueError, match=re.escape("shard of rank 1 has 18 rows along dim 0 but rank 0's has 14; "
+                                                   "every rank holds as many rows")):
         sinkprof.unshard([shards[0][:14], torch.cat([shards[1], shards[0][14:]])], 0, cu(docs), pack_layout="balanced")
 
 
