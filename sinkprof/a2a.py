@@ -11,13 +11,13 @@ A thd pack is cut per document (each document into 2W chunks, the local shard ho
 pair of every document, document after document): the re-layout is then the same, document by
 document, with each document's own chunk size (``chunks``: one per document, one for a sequence).
 
-Both functions are autograd-aware: the backward of one is the other.
+Both functions are autograd-aware: the backward of one is the other (once: no double backward).
 """
 from __future__ import annotations
 
 import torch
 
-from .dist import Communicator
+from .dist import Communicator, differentiable_once
 
 
 def join_outer(pieces: list, seq_dim: int, chunks: tuple[int, ...]) -> torch.Tensor:
@@ -71,6 +71,7 @@ class ScatterHeads(torch.autograd.Function):
         return _scatter(x, comm, seq_dim, head_dim, chunks, "fwd")
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, grad):
         return _gather(grad, *ctx.args, "bwd"), None, None, None, None
 
@@ -84,5 +85,6 @@ class GatherHeads(torch.autograd.Function):
         return _gather(y, comm, seq_dim, head_dim, chunks, "fwd")
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, grad):
         return _scatter(grad, *ctx.args, "bwd"), None, None, None, None

@@ -8,11 +8,15 @@
 - Every wait has a timeout and turns a hang into a ``CommError`` that says which rank, case,
   phase and step it happened at (``where``). Starting the ranks is the tool's business
   (``sinkprof.tool.launcher``).
+- ``gather_rows``: the small all-gather by which cp_attention's ranks compare their arguments.
+- ``differentiable_once``: the backward of an autograd Function that communicates runs once; a
+  double backward raises on every rank before anything is sent.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -43,6 +47,43 @@ class Where:
 
 
 where = Where()
+
+
+def require_initialized() -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: run under torchrun, call "
+                           "torch.distributed.init_process_group, or use `sinkprof check --ranks N`")
+
+
+def wait_works(works, timeout: datetime.timedelta, what: str) -> None:
+    """Wait for every work of ``works``, each for at most ``timeout``; a failure or a timeout is a
+    ``CommError`` that says ``what`` was waited for and where (``where``)."""
+    try:
+        for w in works:
+            if w.wait(timeout) is False:
+                raise RuntimeError("wait returned False")
+    except Exception as exc:  # gloo raises on timeout and on a dead peer
+        raise CommError(f"rank {dist.get_rank()}: {what} failed or hung (timeout "
+                        f"{timeout.total_seconds():g}s) at {where}: {exc}") from None
+
+
+def gather_rows(group, row: list, timeout: float, what: str) -> list:
+    """Every rank's ``row`` (ints; as many on every rank) over ``group``, in group rank order: one
+    small all-gather, then a host sync. A rank that never arrives is a ``CommError`` naming the
+    group's ranks after ``timeout`` seconds."""
+    ranks = dist.get_process_group_ranks(group)
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in ranks]
+    where.op = what
+    label = f"{what} (an all-gather over the group of ranks {ranks})"
+    try:
+        work = dist.all_gather(out, mine, group=group, async_op=True)
+    except Exception as exc:
+        raise CommError(f"rank {dist.get_rank()}: {label} could not start at {where}: {exc}") from None
+    wait_works([work], datetime.timedelta(seconds=timeout), label)
+    return torch.stack(out).tolist()
 
 
 class Traffic(defaultdict):
@@ -101,9 +142,7 @@ class Communicator:
     """A CP process group seen as a ring, with timeouts, host staging and message and byte counts."""
 
     def __init__(self, group=None, timeout: float = DEFAULT_TIMEOUT_S):
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized: run under torchrun, call "
-                               "torch.distributed.init_process_group, or use `sinkprof check --ranks N`")
+        require_initialized()
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
@@ -124,13 +163,7 @@ class Communicator:
         return self.staged and t.is_cuda
 
     def wait_all(self, works, what: str) -> None:
-        try:
-            for w in works:
-                if w.wait(self.timeout) is False:
-                    raise RuntimeError("wait returned False")
-        except Exception as exc:  # gloo raises on timeout and on a dead peer
-            raise CommError(f"rank {dist.get_rank()}: {what} failed or hung (timeout "
-                            f"{self.timeout.total_seconds():g}s) at {where}: {exc}") from None
+        wait_works(works, self.timeout, what)
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, kind: str, phase: str, step: int) -> Pending:
         """Send ``send`` to the next rank and receive ``recv`` from the previous one, asynchronously."""
@@ -144,9 +177,10 @@ class Communicator:
         where.phase, where.step, where.op = phase, step, f"{kind} exchange"
         tag = 2 * step + (kind != "kv")
         ops, staged = [], []
-        for peer, tensors in by_peer(sends).items():
+        to, of = by_peer(sends), by_peer(recvs)   # a peer once, however many tensors its message has
+        for peer, tensors in to.items():
             self.traffic.sent((*key, peer), tensors)
-        for peer, tensors in by_peer(recvs).items():
+        for peer, tensors in of.items():
             self.traffic.received((*key, peer), tensors)
         for t, peer in sends:
             ops.append(dist.P2POp(dist.isend, t.cpu() if self._host(t) else t, self.ranks[peer], self.group, tag))
@@ -156,8 +190,9 @@ class Communicator:
                 staged.append((t, host))
                 t = host
             ops.append(dist.P2POp(dist.irecv, t, self.ranks[peer], self.group, tag))
-        what = (f"{phase} step {step} {kind} exchange (send to rank {', '.join(str(self.ranks[p]) for _, p in sends) or '-'}, "
-                f"receive from rank {', '.join(str(self.ranks[p]) for _, p in recvs) or '-'})")
+        what = (f"{phase} step {step} {kind} exchange (send to rank "
+                f"{', '.join(str(self.ranks[p]) for p in to) or '-'}, "
+                f"receive from rank {', '.join(str(self.ranks[p]) for p in of) or '-'})")
         stream = self.stream
         if stream is not None:  # send what compute produced so far
             stream.wait_stream(torch.cuda.current_stream(stream.device))
@@ -207,3 +242,54 @@ class SoloCommunicator:
 
     def __init__(self):
         self.traffic = Traffic()
+
+
+class _SecondBackward(torch.autograd.Function):
+    """Stands in for the gradients a once-differentiable backward returned under
+    ``create_graph=True``: they alias its results, and differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, n: int, *tensors):
+        """The first ``n`` tensors, detached; the others (what they were computed from) only link
+        this node to the graph, so that a gradient asked of them reaches it."""
+        return tuple(t.detach() for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(
+            "cp_attention has no double backward: its backward communicates across the CP group and is "
+            "differentiable once, so a gradient of its gradients (torch.autograd.grad(..., create_graph=True) "
+            "and then a backward through that result) cannot be taken; differentiate cp_attention once, "
+            "or use sinkprof.attention on one device for higher-order gradients")
+
+
+def differentiable_once(backward):
+    """The ``backward`` of an autograd Function that communicates (the ring, the a2a re-layout, the
+    replicated gradients' all-reduce): it runs once, without recording a graph, and under
+    ``create_graph=True`` the gradients it returns raise a ``NotImplementedError`` naming
+    cp_attention when they are differentiated (on every rank, before anything is sent), as
+    ``torch.autograd.function.once_differentiable`` does with its own message. A backward that
+    records no graph (the usual case) is called as it is."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grads)
+        linked = [t for t in (*grads, *getattr(ctx, "saved_tensors", ()))
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        if not linked:
+            return out
+        many = isinstance(out, tuple)
+        outs = out if many else (out,)
+        at = [n for n, g in enumerate(outs) if isinstance(g, torch.Tensor)]
+        if not at:
+            return out
+        fenced = _SecondBackward.apply(len(at), *(outs[n] for n in at), *linked)
+        outs = list(outs)
+        for n, g in zip(at, fenced):
+            outs[n] = g
+        return tuple(outs) if many else outs[0]
+
+    return wrapper

@@ -2,9 +2,10 @@
 (docs/design.md, section 6).
 
 With an inner group of A ranks and an outer ring of O groups (A*O ranks, inner groups on
-consecutive ranks, the fast links), each rank gathers head group i of the inner group's rows,
-runs the ring over the outer group on those heads with the sink sliced to them, and sends the
-output back. Plain a2a is O = 1 (the ring is one local tile); plain p2p is A = 1.
+consecutive ranks, the fast links; ``check_grid`` checks groups a caller made the same way),
+each rank gathers head group i of the inner group's rows, runs the ring over the outer group on
+those heads with the sink sliced to them, and sends the output back. Plain a2a is O = 1 (the
+ring is one local tile); plain p2p is A = 1.
 """
 from __future__ import annotations
 
@@ -55,6 +56,37 @@ def split_groups(group, a2a_size: int, timeout: float) -> CPGroups:
             outer = Communicator(g, timeout) if outer_size > 1 else SoloCommunicator()
     _groups[key] = CPGroups(inner, outer)
     return _groups[key]
+
+
+def check_grid(a2a_group, p2p_group) -> None:
+    """The groups of ``group=(a2a_group, p2p_group)``, checked on this rank alone (no message): they
+    must split the CP group as ``split_groups`` splits it, so that the shard a rank holds (a2a
+    rank i of ring rank o holds shard ``o * A + i``, A the a2a group's size: ``join_outer`` puts the
+    a2a group's rows in that order) is its position in the CP group. That is: this rank is in
+    both; the a2a group's ranks step by one stride t (consecutive ranks: t = 1) and the ring's by
+    A * t (they then meet in this rank only, and the CP group is the A * O ranks r, r + t, ...)."""
+    me = dist.get_rank()
+    inner, outer = dist.get_process_group_ranks(a2a_group), dist.get_process_group_ranks(p2p_group)
+    a, o = len(inner), len(outer)
+    form = f"group=(a2a_group, p2p_group) (the a2a group holds ranks {inner}, the p2p group ranks {outer})"
+    shared = sorted(set(inner) & set(outer))
+    if shared != [me]:
+        raise ValueError(f"{form}: the two groups share ranks {shared}; they must meet in this rank ({me}) only: "
+                         f"the a2a group splits the heads, the p2p group links one rank of each a2a group")
+    i, r = inner.index(me), outer.index(me)
+    t = inner[1] - inner[0] if a > 1 else None
+    steps_in = {y - x for x, y in zip(inner, inner[1:])}
+    steps_out = {y - x for x, y in zip(outer, outer[1:])}
+    if len(steps_in) > 1 or len(steps_out) > 1 or (a > 1 and o > 1 and steps_out != {a * t}):
+        cp = a * o
+        raise ValueError(
+            f"{form}: rank {me} is rank {i} of its a2a group and rank {r} of its ring, so cp_attention reads its "
+            f"shard as shard {r} * {a} + {i} = {r * a + i} of the sequence (sinkprof.shard(x, {cp}, {r * a + i}, "
+            f"...)), which must be its position in the CP group: the groups must split the CP group as "
+            f"a2a_size={a} does, a2a groups of {a} ranks in equal steps (consecutive ranks, such as "
+            f"{list(range(a))}) and rings that link the ranks at one position of every a2a group (steps of "
+            f"{a} times the a2a groups' step, such as {list(range(0, cp, a))}); build them so, or pass "
+            f"group=cp_group with a2a_size={a}")
 
 
 def hierarchical_attention(q, k, v, offset: Optional[torch.Tensor], bias: Optional[torch.Tensor], opts: CPOptions,

@@ -23,6 +23,7 @@ from typing import Optional, Protocol
 import torch
 
 from . import faults, profiling
+from .dist import differentiable_once
 from .kernels.base import BackwardState, add_rows_, side_streams
 from .options import CPOptions, KVSchedule, SinkStrategy, accum_dtype
 from .plan import RankPlan, Step, Tile, rows_in, spec_layout
@@ -1025,6 +1026,7 @@ class P2PAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @differentiable_once   # a double backward raises, naming cp_attention
     def backward(ctx, grad_out):
         q, out, lse, offset, bias, *pieces = ctx.saved_tensors
         pieces = tuple(pieces)

@@ -110,3 +110,76 @@ def test_k_and_v_unbound_from_a_fused_kv_buffer_are_used_in_place_and_give_the_s
     expected.backward(dout)
     assert torch.equal(fused.grad, torch.stack([sep[1].grad, sep[2].grad], dim=2))
     assert torch.equal(qf.grad, sep[0].grad) and torch.equal(af.grad, sep[3].grad)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(timeout=-5), ValueError, "timeout -5: give a number of seconds from 1 to"),
+    (dict(timeout=0), ValueError, "timeout 0: give a number of seconds from 1 to"),
+    (dict(timeout=float("inf")), ValueError, "timeout inf: give a number of seconds from 1 to"),
+    (dict(timeout=float("nan")), ValueError, "timeout nan: give a number of seconds from 1 to"),
+    (dict(timeout=None), TypeError, "timeout=None must be a number of seconds, got NoneType"),
+    (dict(timeout="30"), TypeError, "timeout='30' must be a number of seconds, got str"),
+    (dict(timeout=True), TypeError, "timeout=True must be a number of seconds, got bool"),
+    (dict(window=(1.9, 0)), TypeError, "window=(1.9, 0): left must be an int (-1 for unbounded), got float"),
+    (dict(window=("2", "0")), TypeError, "window=('2', '0'): left must be an int"),
+    (dict(window=(True, 0)), TypeError, "window=(True, 0): left must be an int (-1 for unbounded), got bool"),
+    (dict(window=(4, 0.0)), TypeError, "window=(4, 0.0): right must be an int"),
+    (dict(window="4,0"), TypeError, "window='4,0' must be a pair (left, right) of ints"),
+    (dict(scale="0.3"), TypeError, "scale='0.3' must be a real number"),
+    (dict(scale=True), TypeError, "scale=True must be a real number"),
+    (dict(scale=torch.tensor(0.3)), TypeError, "must be a real number (None: d ** -0.5), got Tensor"),
+    (dict(comm="a2a+p2p", a2a_size=1.0), TypeError, "a2a_size=1.0 must be an int"),
+    (dict(group="world"), ValueError, "group='world' must be a torch.distributed ProcessGroup (None: the world)"),
+    (dict(group=(None, None)), ValueError, "group=(a2a_group, p2p_group) is the form of comm='a2a+p2p', not "
+                                           "comm='p2p'"),
+    (dict(group=-100), ValueError, "rank 0 is not a member of group: torch.distributed.new_group gave this rank "
+                                   "GroupMember.NON_GROUP_MEMBER"),
+])
+def test_mistyped_arguments_and_groups_are_refused_by_name(world, kwargs, error, message):
+    """Before: a float window side truncated, strings and bools taken for numbers, a negative
+    timeout a CommError at every call, 0 the default, inf an OverflowError, None a TypeError
+    from timedelta; a tuple or string group torch's 'Group ... is not registered'."""
+    q, k, v, _ = _inputs()
+    with pytest.raises(error) as err:
+        sinkprof.cp_attention(q, k, v, **kwargs)
+    assert message in str(err.value)
+
+
+def test_a_group_of_one_compares_nothing_and_sends_nothing(world, monkeypatch):
+    import torch.distributed as dist
+    calls = []
+    real = dist.all_gather
+    monkeypatch.setattr(dist, "all_gather", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, a = _inputs()
+    for offset in (a, a + 1):
+        sinkprof.cp_attention(q, k, v, offset, softmax_type="learnable", window=(7, 0))
+    assert calls == []
+
+
+def test_an_offset_edited_in_place_between_forward_and_backward_is_named(world):
+    """Before: torch's "Output 0 of ReplicatedGrad is a view ... clone the output of the custom Function"."""
+    q, k, v, a = _inputs()
+    q.requires_grad_()
+    a.requires_grad_()
+    out = sinkprof.cp_attention(q, k, v, a, softmax_type="learnable", mask="causal")
+    with torch.no_grad():
+        a.mul_(2)
+    with pytest.raises(RuntimeError, match=re.escape("softmax_offset was modified in place after cp_attention's "
+                                                     "forward and before its backward (its version went from 0 to 1)")):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_a_double_backward_raises_naming_cp_attention_and_the_first_order_is_unchanged(world, comm):
+    """Before: wrong second-order gradients, or a crash inside the ring ("cat(): functions with out=...")."""
+    q, k, v, a = (x.clone().requires_grad_() for x in _inputs())
+    call = dict(comm=comm, softmax_type="learnable", mask="causal")
+    graphed = torch.autograd.grad(sinkprof.cp_attention(q, k, v, a, **call).sum(), (q, k, v, a), create_graph=True)
+    plain = torch.autograd.grad(sinkprof.cp_attention(q, k, v, a, **call).sum(), (q, k, v, a))
+    assert all(torch.equal(x, y) for x, y in zip(graphed, plain))
+    for grad, wrt in zip(graphed, (q, k, v, a)):
+        assert grad.requires_grad
+        with pytest.raises(NotImplementedError, match="cp_attention has no double backward"):
+            torch.autograd.grad(grad.pow(2).sum(), wrt)
+    with pytest.raises(NotImplementedError, match="cp_attention has no double backward"):
+        sum(g.sum() for g in graphed).backward()
