@@ -7,7 +7,10 @@ once, from the signal handler, rather than by a KeyboardInterrupt through torch'
 does not always let one through: a library under it can take it for a failed optional import (the
 Ctrl-C is lost and the command runs on), fail the next import with an ImportError, print it as an
 "Exception ignored" traceback (raised in a weakref callback), or leave the interpreter to end itself
-by SIGINT (-2, not 130). Nothing has started yet, so there is nothing to clean up.
+by SIGINT (-2, not 130). The handler stays while typer parses the command line (it imports pydantic
+then, and takes a KeyboardInterrupt for a silent exit 130), until the command runs: ``Command.invoke``
+hands SIGINT back to Python's KeyboardInterrupt, which the command handles from there. Nothing has
+started before it, so there is nothing to clean up.
 """
 import contextlib
 import os
@@ -19,17 +22,17 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT   # 130, as tool.errors.EXIT_INTERRUPTED
 
 
 def main() -> None:
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is signal.default_int_handler:   # not where SIGINT is ignored (``cmd &`` in a script)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:   # not where SIGINT is ignored (``cmd &``)
         signal.signal(signal.SIGINT, _stopped)
-    try:
-        from .cli import main as run   # typer, torch and the tool
-    finally:
-        signal.signal(signal.SIGINT, previous)   # each command handles its own from here
+    from .cli import main as run   # typer, torch and the tool
     try:
         run()
-    except KeyboardInterrupt:   # before a command started (typer building the command line)
+    except KeyboardInterrupt:   # after the command, while typer ends it
         _stopped()
+    except SystemExit as exc:
+        if exc.code == EXIT_INTERRUPTED:   # the command was stopped by a Ctrl-C and said so
+            _leave(EXIT_INTERRUPTED)
+        raise
 
 
 def _stopped(signum=None, frame=None) -> NoReturn:
@@ -37,7 +40,21 @@ def _stopped(signum=None, frame=None) -> NoReturn:
     with contextlib.suppress(OSError, ValueError, RuntimeError):   # a closed, broken or busy stderr: no words
         if sys.stderr is not None:
             print("sinkprof: stopped by SIGINT", file=sys.stderr, flush=True)
-    os._exit(EXIT_INTERRUPTED)
+    _leave(EXIT_INTERRUPTED)
+
+
+def _leave(code: int) -> NoReturn:
+    """End now with ``code``, what stdout and stderr hold flushed. Not by the interpreter's own end:
+    under ``python -m`` it ends by SIGINT (-2) after a KeyboardInterrupt that any string ``exec``
+    saw end (dataclasses, namedtuple and typing build their code so), even one the command caught
+    (CPython's ``Py_RunMain`` checks a flag that such an ``exec`` sets and no ``except`` clears)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, RuntimeError, AttributeError):
+            stream.flush()
+    os._exit(code)
+
+
+_stopped.until_a_command_runs = True   # the mark ``tool.errors.Command`` knows it by
 
 
 if __name__ == "__main__":

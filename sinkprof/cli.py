@@ -225,9 +225,6 @@ def bench(
     if sims and inject is not None:
         raise ValueError(f"--inject {inject} with --simulate: the fault stops a rank of a real run, and a "
                          f"simulation is one process; drop --inject (or --simulate)")
-    if sims and case.comm is not None and {c.strip() for c in case.comm.split(",")} != {"p2p"}:
-        raise ValueError(f"--comm {case.comm} with --simulate: a simulation replays the p2p ring; use --comm p2p "
-                         f"(or drop --simulate)")
     if sims and case.ranks is not None:
         raise ValueError(f"--ranks {case.ranks} with --simulate: a simulation replays every rank of each "
                          f"--simulate size on this process; drop --ranks (or --simulate)")

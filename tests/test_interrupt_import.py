@@ -4,7 +4,8 @@ runs does: exit 130 and the one line ``sinkprof: stopped by SIGINT``, never a tr
 the entry to end the command itself rather than trust a KeyboardInterrupt through torch's import
 (sinkprof/__main__.py). The SIGINT comes at fixed moments and at moments read from the process's
 mapped libraries (/proc/PID/maps): inside torch's import, and inside the import of numpy under it,
-where a KeyboardInterrupt became an ImportError traceback."""
+where a KeyboardInterrupt became an ImportError traceback; and, once the command line has loaded,
+while typer parses it."""
 import os
 import signal
 import subprocess
@@ -36,6 +37,31 @@ def _mapped(pid: int, library: str) -> bool:
         return False
 
 
+def _interrupted(command: list, args: list, moment, delay: float = 0.0) -> None:
+    """Start the CLI, send it SIGINT ``delay`` seconds after ``moment`` (seconds from the start, or
+    the name of a library: once it is mapped), and check that it ended as a Ctrl-C does."""
+    proc = subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        if isinstance(moment, float):
+            time.sleep(moment)
+        else:
+            deadline = time.monotonic() + 60
+            while not _mapped(proc.pid, moment) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert proc.poll() is None and _mapped(proc.pid, moment), f"{moment} was never mapped"
+        time.sleep(delay)
+        assert proc.poll() is None, "the command ended before the SIGINT"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)   # a lost Ctrl-C runs the command to the end: exit 0
+    finally:
+        proc.kill()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines() == ["sinkprof: stopped by SIGINT"], (proc.returncode, err)
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert out == ""
+
+
 @pytest.mark.parametrize("entry,when", [
     ("-m", 0.1), ("-m", 0.3), ("-m", 0.5), ("-m", 0.7),
     ("-m", "libtorch_cpu"),         # torch's import has loaded its C++ library
@@ -46,24 +72,55 @@ def test_ctrl_c_while_the_command_line_loads_is_one_line_and_exit_130(entry, whe
     if when == "_multiarray_umath":
         pytest.importorskip("numpy")
     command = [sys.executable, "-m", "sinkprof"] if entry == "-m" else [sys.executable, "-c", _console_script()]
-    proc = subprocess.Popen([*command, *ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        if isinstance(when, float):
-            time.sleep(when)
-        else:
-            deadline = time.monotonic() + 60
-            while not _mapped(proc.pid, when) and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.001)
-            assert proc.poll() is None and _mapped(proc.pid, when), f"{when} was never mapped"
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)   # a lost Ctrl-C runs the check to the end: exit 0
-    finally:
-        proc.kill()
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    assert err.strip().splitlines() == ["sinkprof: stopped by SIGINT"], err
-    assert proc.returncode == 130, (proc.returncode, err)
-    assert out == ""
+    _interrupted(command, ARGS, when)
+
+
+# A command that runs seconds in this process after typer parses it (no ranks): a SIGINT at any of
+# the delays below comes while typer parses the command line or while the command runs.
+IN_PROCESS = ["emulate", "--cp", "2,4,8", "--seq-len", "128"]
+
+
+@pytest.mark.parametrize("entry,delay", [
+    ("-m", 0.0), ("-m", 0.01), ("-m", 0.03), ("-m", 0.06), ("-m", 0.1), ("-m", 0.2), ("-m", 0.4),
+    ("script", 0.0), ("script", 0.06),
+])
+def test_ctrl_c_while_typer_parses_the_command_line_is_one_line_and_exit_130(entry, delay):
+    """After the imports, typer parses the command line (and imports pydantic for it: its library
+    being mapped is the moment the delays count from) before the command runs; it took the
+    KeyboardInterrupt there for an exit 130 without a word (and once the interpreter ended by SIGINT,
+    -2). The entry's handling now lasts until the command's own begins (``errors.take_ctrl_c``)."""
+    pytest.importorskip("pydantic_core")
+    command = [sys.executable, "-m", "sinkprof"] if entry == "-m" else [sys.executable, "-c", _console_script()]
+    _interrupted(command, IN_PROCESS, "_pydantic_core", delay)
+
+
+# ``python -m`` of this module: the ``profiles`` command meets a Ctrl-C inside a string ``exec``
+# (dataclasses, namedtuple and typing build their code so), and handles it as any other.
+STOPPED_IN_EXEC = """
+import sys
+import sinkprof.tool.profiles
+from sinkprof.__main__ import main
+
+
+def show(name, output):
+    exec("raise KeyboardInterrupt", {})
+
+
+sinkprof.tool.profiles.show = show
+sys.argv = ["sinkprof", "profiles"]
+main()
+"""
+
+
+def test_a_ctrl_c_that_ended_a_string_exec_is_exit_130_under_python_m(tmp_path):
+    """The command said its line and exited 130, and the interpreter ended by SIGINT (-2) anyway:
+    CPython's ``Py_RunMain`` (``python -m``) checks a flag that a KeyboardInterrupt ending any
+    string ``exec`` sets, caught or not. Seen once in ~40 Ctrl-Cs of ``python -m sinkprof emulate``."""
+    (tmp_path / "stopped_in_exec.py").write_text(STOPPED_IN_EXEC)
+    res = subprocess.run([sys.executable, "-m", "stopped_in_exec"], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120)
+    assert res.stderr.strip().splitlines() == ["sinkprof: stopped by SIGINT"], res.stderr
+    assert res.returncode == 130, (res.returncode, res.stderr)
 
 
 SETTLES = """

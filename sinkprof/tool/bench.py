@@ -298,11 +298,12 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
 
 
 def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
-    """``--simulate``: every rank's compute schedule of a cp=N ring, one rank after another, on one
-    device (K/V held as the case's K/V schedule holds them); the same CSV schema without
-    communication rows. With ``opts.link``, each rank's rows become a prediction
-    (``linkmodel.predict``): its exchanges from the plan's bytes over the link, the exposed part
-    against the compute measured here, rows marked ``predicted``."""
+    """``--simulate``: every rank's compute schedule of a cp=N p2p ring (``profiles.settings_for``
+    refuses other comms), one rank after another, on one device (K/V held as the case's K/V
+    schedule holds them); the same CSV schema without communication rows. With ``opts.link``,
+    each rank's rows become a prediction (``linkmodel.predict``): its exchanges from the plan's
+    bytes over the link, the exposed part against the compute measured here, rows marked
+    ``predicted``."""
     for cp in opts.simulate:
         for settings in groups:
             try:
@@ -317,8 +318,6 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     inputs: dict = {}   # made once per shape: at 128k they take the CPU most of a minute
     for settings in groups:
         for case in expand(settings):
-            if case.comm is not CommType.P2P:
-                raise ValueError(f"--simulate replays the p2p ring; case {case.label} uses {case.comm.value}")
             spec = case.spec()
             key = (case.shape, spec.softmax_type, spec.qkv_format, spec.docs, settings.seed, case.bias, case.dtype)
             if key not in inputs:

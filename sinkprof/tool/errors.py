@@ -81,11 +81,22 @@ def stdout_open() -> None:
                           "--output FILE where the command has it")
 
 
+def take_ctrl_c() -> None:
+    """From here a Ctrl-C is a KeyboardInterrupt, which the command handles (``Command``, and the
+    launcher once the ranks start). Until here the entry's handler (``sinkprof/__main__.py``, marked
+    ``until_a_command_runs``) ends the process at once: while the command line loads and while typer
+    parses it, where typer would take a KeyboardInterrupt for a silent exit 130. A handler of anyone
+    else (SIGINT ignored by ``cmd &``, a test's) stays."""
+    if getattr(signal.getsignal(signal.SIGINT), "until_a_command_runs", False):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class Command(TyperCommand):
     """A CLI command whose known errors end as a message and an exit code, never a traceback."""
 
     def invoke(self, ctx):
         try:
+            take_ctrl_c()
             return super().invoke(ctx)
         except KeyboardInterrupt:   # Ctrl-C before the ranks start (the launcher handles it after)
             say("stopped by SIGINT")

@@ -329,8 +329,13 @@ def _flush() -> None:
 def _start(proc) -> None:
     """Start a rank with SIGINT ignored, which it inherits across ``exec`` until it sets its own
     handling (``_last_words_on_signal``): a Ctrl-C while it imports torch would end it with a
-    traceback; this process passes the signal on (``_stop_all``). A Ctrl-C in the moment of the
-    start itself is lost."""
+    traceback; this process passes the signal on (``_stop_all``). A Ctrl-C to this process in the
+    moment of the start itself (``proc.start()``, a millisecond or two) is lost, and the run goes on:
+    the kernel discards a signal that comes while it is ignored, and a rank inherits only what this
+    process has at its fork, so ignoring it here is how the rank starts ignoring it. Blocking it
+    instead keeps it pending, but the rank inherits the block (tried and reverted: a rank then got a
+    KeyboardInterrupt while importing torch), and multiprocessing's spawn takes no signal mask or
+    pre-exec step of the rank's own."""
     handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         proc.start()
@@ -402,9 +407,11 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
     if under_torchrun():
         _leave(_rank_main(job, args, device, backend, timeout, run_timeout, config))
     ctx = mp.get_context("spawn")
-    previous = {s: signal.signal(s, _raise_stop) for s in STOPPING}
+    previous: dict = {}
     procs: list = []
     try:
+        for s in STOPPING:   # in the try: a SIGINT while SIGTERM's handler is set raises _Stop here
+            previous[s] = signal.signal(s, _raise_stop)
         with tempfile.TemporaryDirectory(prefix="sinkprof-") as folder:   # mode 0700: this user only
             store = os.path.join(folder, "store")
             procs = [ctx.Process(target=_spawned, args=(r, nproc, store, os.getpid(), job, args, device, backend,

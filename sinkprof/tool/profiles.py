@@ -8,6 +8,7 @@ needs no file.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tomllib
 from importlib import resources
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..options import CommType
 from .cases import CaseOptions, Settings, check_pack_layer, merge_layers
 from .launcher import torchrun_env
 from .output import Output
@@ -160,6 +162,8 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
         overrides["ranks"] = world
     profile = find(options.profile)
     groups = profile.resolve(overrides)
+    if cps:   # before validate, whose a2a rules would speak of the one rank a simulation runs as
+        check_simulated_comm(profile, overrides, options.comm)
     for i, settings in enumerate(groups):
         try:
             settings.validate()
@@ -182,6 +186,24 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
             raise ValueError("--device cuda: no CUDA device is visible here; use --device cpu")
     check_dist_backend(options.dist_backend, first.device, first.ranks)
     return groups
+
+
+def check_simulated_comm(profile: Profile, overrides: dict, typed: Optional[str]) -> None:
+    """``bench --simulate`` replays the p2p ring: each group's comm, parsed from the command line
+    (``typed`` is --comm as given) or taken from the profile, must be p2p. The error names where the
+    comm came from; an unknown or empty comm is left to ``Settings.validate``, which names it."""
+    others = {c.value for c in CommType} - {CommType.P2P.value}
+    why = "a simulation replays the p2p ring"
+    if "comm" in overrides:
+        if others & set(overrides["comm"]):
+            raise ValueError(f"--comm {typed} with --simulate: {why}; use --comm p2p (or drop --simulate)")
+        return
+    for i, group in enumerate(profile.groups or [{}]):
+        where, layer = (f" [[cases]] #{i + 1}", group) if "comm" in group else ("", profile.settings)
+        if others & set(layer.get("comm", ())):
+            raise ValueError(f"profile {profile.path}{where}: comm = {json.dumps(list(layer['comm']))} with "
+                             f"--simulate: {why}; add --comm p2p (it overrides the profile's comm), or drop "
+                             f"--simulate")
 
 
 def show(name: Optional[str], output: Output) -> None:
