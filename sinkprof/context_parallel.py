@@ -21,9 +21,9 @@ from .dist import (DEFAULT_TIMEOUT_S, Communicator, SoloCommunicator, differenti
                    require_initialized)
 from .hierarchical import CPGroups, check_grid, hierarchical_attention, split_groups
 from .kernels import get_kernel
-from .options import (BALANCED_RUNS, A2AError, CommType, CPOptions, KVSchedule, PackLayout, QKVFormat, SinkGrad,
-                      check_a2a_size, check_bias, check_docs, check_heads, check_offset, check_qkv, check_scale,
-                      check_sink_strategy, check_timeout, make_spec)
+from .options import (A2AError, CommType, CPOptions, KVSchedule, QKVFormat, SinkGrad, check_a2a_size, check_bias,
+                      check_docs, check_heads, check_offset, check_qkv, check_runs, check_scale, check_sink_strategy,
+                      check_timeout, make_spec)
 from .plan import spec_layout
 
 _comms: dict = {}
@@ -106,9 +106,7 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     strategy = None if sink_strategy is None else check_sink_strategy(sink_strategy)
     grad_contract = SinkGrad.parse(sink_grad, "sink_grad")
     schedule = KVSchedule.parse(kv_schedule, "kv_schedule")
-    if spec.pack_layout is PackLayout.BALANCED and (
-            comm_type is not CommType.P2P or schedule not in (KVSchedule.AUTO, KVSchedule.ALLGATHER)):
-        raise ValueError(f"comm={comm_type.value!r}, kv_schedule={schedule.value!r}: {BALANCED_RUNS}")
+    check_runs(spec.pack_layout, comm_type, schedule)
     dims = check_qkv(q, k, v, spec.qkv_format)
     shapes = (tuple(q.shape), tuple(k.shape))
     thd = spec.qkv_format is QKVFormat.THD

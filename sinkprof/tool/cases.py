@@ -18,6 +18,7 @@ import torch
 
 from ..dist import DEFAULT_TIMEOUT_S
 from ..kernels import unavailable_reason
+from ..options import a2a_members as options_a2a_members
 from ..options import (DTYPES, A2AError, A2AProblem, AttnSpec, Backend, CommType, KVSchedule, MaskType, PackLayout,
                        QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size, check_heads, check_seed,
                        check_sink_strategy, make_spec, parse_dtype, window_pair)
@@ -258,8 +259,9 @@ def option(name: str) -> str:
 
 
 def a2a_members(comm: CommType, cp: int, a2a_size: int) -> int:
-    """Ranks of the inner a2a group: 1 for p2p, the whole group for a2a."""
-    return {CommType.P2P: 1, CommType.A2A: cp, CommType.A2A_P2P: a2a_size}[comm]
+    """Ranks of the inner a2a group: 1 for p2p, the whole group for a2a (the library's rule; a
+    case carries ``--a2a-size`` whatever its comm, and only a2a+p2p reads it)."""
+    return options_a2a_members(comm, cp, a2a_size if comm is CommType.A2A_P2P else None)
 
 
 def a2a_usage(comm: CommType, exc: A2AError) -> str:
