@@ -22,7 +22,7 @@ from .dist import (DEFAULT_TIMEOUT_S, Communicator, SoloCommunicator, differenti
 from .hierarchical import CPGroups, check_grid, hierarchical_attention, split_groups
 from .kernels import get_kernel
 from .options import (A2AError, CommType, CPOptions, KVSchedule, QKVFormat, SinkGrad, check_a2a_size, check_bias,
-                      check_docs, check_heads, check_offset, check_qkv, check_runs, check_scale, check_sink_strategy,
+                      check_docs, check_heads, check_int, check_offset, check_qkv, check_runs, check_scale, check_sink_strategy,
                       check_timeout, make_spec)
 from .plan import spec_layout
 
@@ -100,7 +100,7 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     then holds shard ``o * A + i``, its position in the CP group. Other groups are refused, naming
     ``group`` and the shard such a rank would have to hold.
     """
-    check_types(window=window, scale=scale, timeout=timeout, a2a_size=a2a_size)
+    check_types(timeout=timeout, a2a_size=a2a_size)
     spec = make_spec(softmax_type, mask, window, qkv_format, cu_seqlens, pack_layout)
     comm_type = CommType.parse(comm, "comm")
     strategy = None if sink_strategy is None else check_sink_strategy(sink_strategy)
@@ -167,24 +167,15 @@ def _at_least_fp32(offset: torch.Tensor) -> torch.Tensor:
     return offset.float() if offset.dtype in (torch.bfloat16, torch.float16) else offset
 
 
-def check_types(*, window, scale, timeout, a2a_size) -> None:
-    """The types of the numeric arguments: a float window side would be truncated, a string or a
-    bool taken for a number."""
-    if window is not None:
-        if not isinstance(window, (tuple, list)):
-            raise TypeError(f"window={window!r} must be a pair (left, right) of ints, -1 meaning unbounded "
-                            f"(e.g. (128, 0)), got {type(window).__name__}")
-        for side, w in zip(("left", "right"), window):
-            if isinstance(w, bool) or not isinstance(w, numbers.Integral):
-                raise TypeError(f"window={window!r}: {side} must be an int (-1 for unbounded), "
-                                f"got {type(w).__name__} {w!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"scale={scale!r} must be a real number (None: d ** -0.5), got {type(scale).__name__}")
+def check_types(*, timeout, a2a_size) -> None:
+    """The types of the numeric arguments that only cp_attention takes (the window's and the
+    scale's are the library's: ``options.parse_window``, ``options.check_scale``): a string or a
+    bool is not taken for a number."""
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"timeout={timeout!r} must be a number of seconds, got {type(timeout).__name__}")
     check_timeout(timeout, "timeout")
-    if a2a_size is not None and (isinstance(a2a_size, bool) or not isinstance(a2a_size, numbers.Integral)):
-        raise TypeError(f"a2a_size={a2a_size!r} must be an int (ranks per a2a group), got {type(a2a_size).__name__}")
+    if a2a_size is not None:
+        check_int(a2a_size, "a2a_size", what=" (ranks per a2a group)")
 
 
 def _one_group(group, arg: str):

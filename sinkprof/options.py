@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import itertools
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 from typing import Optional
@@ -307,6 +308,13 @@ def parse_window(window, mask: MaskType) -> tuple[Optional[int], Optional[int]]:
     """A user's ``window=(left, right)`` (-1 unbounded) as ``AttnSpec.window`` (None unbounded)."""
     if window is None:
         return (None, None)
+    if not isinstance(window, (tuple, list)):   # (the command line's "LEFT,RIGHT" is window_pair's)
+        raise TypeError(f"window={window!r} must be a pair (left, right) of ints, -1 meaning unbounded "
+                        f"(e.g. (128, 0)), got {type(window).__name__}")
+    for side, w in zip(("left", "right"), window):   # a float side would be truncated, a bool taken for 0 or 1
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"window={window!r}: {side} must be an int (-1 for unbounded), "
+                            f"got {type(w).__name__} {w!r}")
     left, right = window_pair(window)
     for name, w in (("left", left), ("right", right)):
         if w < -1:
@@ -558,6 +566,8 @@ def _listing(sizes) -> str:
 def check_scale(scale, d: int) -> float:
     if scale is None:
         return d ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale={scale!r} must be a real number (None: d ** -0.5), got {type(scale).__name__}")
     scale = float(scale)
     if not scale > 0 or scale == float("inf"):
         raise ValueError(f"scale={scale} must be a positive finite number (default d ** -0.5)")
