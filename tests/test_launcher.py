@@ -214,6 +214,60 @@ def test_ctrl_c_while_the_ranks_import_torch_is_exit_130_without_a_traceback():
         _reap(proc, ranks)
 
 
+_SIGNAL_DURING_START = """
+import multiprocessing.context, os, signal, sys
+start = multiprocessing.context.SpawnProcess.start
+def start_under_a_ctrl_c(self):
+    rank = self._args[0]
+    os.kill({target}, signal.SIGINT)   # the Ctrl-C comes in the moment a rank starts
+    start(self)
+    {after}
+multiprocessing.context.SpawnProcess.start = start_under_a_ctrl_c
+sys.argv = ["sinkprof", "check", "--seq-len", "64", "--heads", "2", "--head-dim", "8", "--format", "json"]
+from sinkprof.__main__ import main
+main()
+"""
+
+
+def test_a_ctrl_c_in_the_moment_a_rank_starts_stops_the_run():
+    """It was lost: the parent ignored SIGINT while it started a rank (so that the rank inherits
+    the ignoring) and the run went on to exit 0."""
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_DURING_START.format(target="os.getpid()", after="")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("sinkprof: stopped by SIGINT"), proc.stderr
+
+
+def test_a_ctrl_c_to_a_rank_while_it_starts_ends_it_with_its_last_words():
+    """A rank starts with SIGINT blocked and ignored: a SIGINT that reaches it before it handles
+    signals waits (no traceback from its imports), then ends it with exit 130; the parent names the
+    signal and stops the run with exit 1. It was lost, and the run went on to exit 0."""
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_DURING_START.format(
+        target="os.getpid()", after="rank == 1 and os.kill(self.pid, signal.SIGINT)   # rank 1").replace(
+        "os.kill(os.getpid(), signal.SIGINT)   # the Ctrl-C comes in the moment a rank starts", "pass")],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+    assert "rank 1 was stopped by SIGINT (exit 130)" in proc.stderr, proc.stderr
+
+
+def test_a_rank_that_cannot_be_started_is_one_line_and_the_started_ones_stop():
+    """A fork the system refuses for rank 1 was a traceback, and rank 0, started, waited for its
+    peer while the parent waited for it (a hang until the timeout)."""
+    script = _SIGNAL_DURING_START.replace(
+        "    os.kill({target}, signal.SIGINT)   # the Ctrl-C comes in the moment a rank starts\n",
+        "    if rank == 1: raise OSError(11, 'Resource temporarily unavailable')\n").format(after="")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == ("sinkprof: rank 1 of 2 could not be started: Resource temporarily unavailable; the ranks "
+                           "started before it were stopped\n")
+
+
 def test_a_rank_whose_peer_never_joins_says_so_in_one_line(tmp_path):
     """It was a ``DistStoreError: ... 1/2 clients joined`` traceback."""
     with socket.socket() as s:

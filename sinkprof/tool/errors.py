@@ -25,10 +25,15 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 128 + signal.SIGINT   # 130, as a shell reports Ctrl-C
 
+class StartError(RuntimeError):
+    """A self-launched rank could not be started (the system refused a process); the message names it."""
+
+
 # Exception type -> exit code; the message is the exception's own (``message``). Looked up along the MRO.
 EXIT_CODES: dict[type, int] = {
     ValueError: EXIT_USAGE,       # an option or its combination: the message names the option
     CommError: EXIT_FAILED,       # a rank hung or died: the message names rank, case, phase, step
+    StartError: EXIT_FAILED,      # a rank could not be started: the message names it and why
     OutputError: EXIT_FAILED,     # a result could not be written: the message names the file
     OSError: EXIT_FAILED,         # stdout could not be written (WRITE_ERRORS; a file's failure is an
                                   # OutputError, a closed pipe says nothing)

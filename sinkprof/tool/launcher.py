@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import json
 import multiprocessing as mp
+import multiprocessing.resource_tracker
 import os
 import signal
 import sys
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..dist import DEFAULT_TIMEOUT_S, CommError, where
-from .errors import EXIT_FAILED, EXIT_USAGE, describe, say
+from .errors import EXIT_FAILED, EXIT_USAGE, StartError, describe, say
 
 
 @dataclass
@@ -205,7 +206,8 @@ def _last_words_on_signal(rank: int) -> None:
         _say_last_words(rank, f"the rank was stopped by {signum.name} at {where}")
         _flush()
         os._exit(128 + signum)
-    threading.Thread(target=watch, daemon=True).start()
+    threading.Thread(target=watch, daemon=True).start()   # (it inherits the block: signals go to this thread)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPPING)    # what came while the rank started (``_start``)
 
 
 class Watchdog:
@@ -327,20 +329,23 @@ def _flush() -> None:
 
 
 def _start(proc) -> None:
-    """Start a rank with SIGINT ignored, which it inherits across ``exec`` until it sets its own
-    handling (``_last_words_on_signal``): a Ctrl-C while it imports torch would end it with a
-    traceback; this process passes the signal on (``_stop_all``). A Ctrl-C to this process in the
-    moment of the start itself (``proc.start()``, a millisecond or two) is lost, and the run goes on:
-    the kernel discards a signal that comes while it is ignored, and a rank inherits only what this
-    process has at its fork, so ignoring it here is how the rank starts ignoring it. Blocking it
-    instead keeps it pending, but the rank inherits the block (tried and reverted: a rank then got a
-    KeyboardInterrupt while importing torch), and multiprocessing's spawn takes no signal mask or
-    pre-exec step of the rank's own."""
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Start a rank with SIGINT blocked. The rank inherits the block across ``exec``: a Ctrl-C while
+    it imports torch stays pending (no KeyboardInterrupt traceback) until it has set its own
+    handling and unblocks it (``_last_words_on_signal``), and then ends it with its last words.
+    Here, a SIGINT during ``proc.start()`` (which another thread of this process may take while
+    this one blocks it) is held and passed to this process's handler once the rank has started:
+    raised in the middle of the start, it would leave a rank reading half of what it was sent.
+    multiprocessing's resource tracker is started before (``launch``): starting it unblocks SIGINT."""
+    came: list = []
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: came.append(frame))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         proc.start()
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         signal.signal(signal.SIGINT, handler)
+    if came and callable(handler):
+        handler(signal.SIGINT, came[0])
 
 
 class _Stop(Exception):
@@ -356,8 +361,9 @@ def _raise_stop(signum, frame):
 
 def _stop_all(procs, signum: int = signal.SIGTERM) -> list[int]:
     """Pass ``signum`` on to every live rank, then SIGKILL what is left after a short grace; the
-    stopped ranks. A rank still starting ignores SIGINT (``_start``): after a SIGINT, what is alive a
-    second later gets a SIGTERM (a rank that handles both has named the SIGINT by then)."""
+    stopped ranks. A rank still starting holds a SIGINT pending until it handles it (``_start``):
+    after a SIGINT, what is alive a second later gets a SIGTERM (a rank that handles both has named
+    the SIGINT by then)."""
     stopped = [r for r, p in enumerate(procs) if p.is_alive()]
     start = time.monotonic()
     for s, after in [(signum, 0.0)] + ([(signal.SIGTERM, 1.0)] if signum != signal.SIGTERM else []):
@@ -416,8 +422,13 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
             store = os.path.join(folder, "store")
             procs = [ctx.Process(target=_spawned, args=(r, nproc, store, os.getpid(), job, args, device, backend,
                                                         timeout, run_timeout, config)) for r in range(nproc)]
-            for p in procs:
-                _start(p)
+            mp.resource_tracker.ensure_running()   # not in _start: it unblocks SIGINT after starting its process
+            for r, p in enumerate(procs):
+                try:
+                    _start(p)
+                except OSError as exc:
+                    raise StartError(f"rank {r} of {nproc} could not be started: {exc.strerror or exc}; the "
+                                     f"ranks started before it were stopped") from None
             stopped = _supervise(procs, run_timeout)
     except _Stop as stop:
         for s in STOPPING:
@@ -427,6 +438,9 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
         print(f"sinkprof: stopped by {name}; ended rank(s) {', '.join(map(str, stopped)) or 'none'}",
               file=sys.stderr, flush=True)
         return 128 + stop.signum
+    except BaseException:   # a rank that could not start: the started ones would wait for it until their timeout
+        _stop_all([p for p in procs if p.pid is not None])
+        raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -440,6 +454,9 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
         own[r] = p.exitcode
         if p.exitcode < 0:
             print(f"sinkprof: rank {r} was killed by signal {signal.Signals(-p.exitcode).name}", file=sys.stderr)
+        elif p.exitcode - 128 in {s.value for s in STOPPING}:   # a signal to that rank alone (its last words)
+            print(f"sinkprof: rank {r} was stopped by {signal.Signals(p.exitcode - 128).name} "
+                  f"(exit {p.exitcode})", file=sys.stderr)
         elif p.exitcode not in (0, EXIT_FAILED, EXIT_USAGE):   # those said why (a closed pipe: silently)
             print(f"sinkprof: rank {r} exited with code {p.exitcode}", file=sys.stderr)
     if EXIT_USAGE in own.values():
