@@ -9,7 +9,7 @@
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
-# session20 session20b session20c prof21
+# session20 session20b session20c prof21 verify21
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -526,8 +526,21 @@ if [[ $what == *" session20c "* ]]; then   # <= 560 s: the same at gpt-oss cp 4 
   run ring20c ${RING_S:-540} python3 scripts/bench_kernels.py --skip-tiles --rings "gpt-oss:4,8" \
       --ring-backends fa4,fa4+comm --out "$OUT/ring20c.json"
 fi
+if [[ $what == *" verify21 "* ]]; then   # <= 420 s: what has not run on a GPU since the twentieth session's runs
+  # (f5ed267..0c36c16: cp_attention's argument check, its gather over NCCL, differentiable_once, the offset's version
+  # hook, the lazy import): the graph-capture tests and the NCCL gather, then check on fa4 at 2 and at 4 ranks
+  run gpu_tests21 ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "graph or cp_attention or nccl"
+  run check_fa4_21 ${CHECK_S:-130} $SP check --device cuda --backend fa4 --ranks 2 --comm p2p,a2a --softmax all \
+      --mask all --dtype bf16,fp16 --sink-strategy all --sink-grad all --batch 1 --seq-len 4096 \
+      --heads 8 --kv-heads 4 --head-dim 64 --run-timeout 120 --format json --output "$OUT/check_fa4_21.json"
+  run check_fa4_cp4_21 ${CHECK4_S:-120} $SP check --device cuda --backend fa4 --ranks 4 --comm a2a+p2p --softmax all \
+      --mask causal --window 127,0 --kv-schedule all --dtype bf16 --sink-strategy all --sink-grad full --batch 1 \
+      --seq-len 4096 --heads 8 --kv-heads 4 --head-dim 64 --run-timeout 110 --format json --output "$OUT/check_fa4_cp4_21.json"
+fi
 if [[ $what == *" prof21 "* ]]; then   # <= 300 s: where the loopback ring's forward loses 4-9 points against the bare
   # schedule at h16 d128 (twentieth session): both profiled in one run, the copies' share (DMA, beside the calls) apart
   run ring_prof21 ${RING_S:-280} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4" --masks causal \
       --ring-backends fa4,fa4+comm --profile-step --out "$OUT/ring_prof21.json"
+  run copy_probe21 ${PROBE_S:-60} python3 scripts/copy_probe.py
 fi

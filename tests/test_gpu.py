@@ -251,6 +251,26 @@ def test_cp_attention_forward_and_backward_replay_from_a_cuda_graph(gpu_kernel, 
     assert eager[4].abs().max() > 1e-3  # the sink gradient is really there
 
 
+def test_the_argument_check_gathers_its_rows_over_nccl_on_the_gpu():
+    """cp_attention's argument check under NCCL: its row of ints goes up as a CUDA tensor and
+    comes back as Python ints, every rank's (one here: NCCL refuses two ranks on one GPU); and
+    cp_attention on that group of one matches the reference."""
+    import torch.distributed as dist
+    import sinkprof
+    from sinkprof.dist import gather_rows
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        row = [0, 2**62, -(2**62), 7]
+        assert gather_rows(dist.group.WORLD, row, 30.0, "the test's rows") == [row]
+        q = torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16)
+        out = sinkprof.cp_attention(q, q, q, mask="causal")
+        want = sinkprof.attention(q.double(), q.double(), q.double(), mask="causal")
+        assert (out.double() - want).abs().max() < 2e-2
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_graph_build_during_capture_names_the_missing_warm_up():
     from sinkprof.kernels.cudnn import CudnnTiles
     from sinkprof.kernels import unavailable_reason
