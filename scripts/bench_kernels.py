@@ -28,7 +28,10 @@ the same with the backward's runs not joined (what joining them gives).
 ``--ring-backends fa4+comm`` (any backend, ``+comm``) times instead what ``cp_attention`` runs on a
 rank: ``P2PAttention``'s forward and backward (its K/V and dK/dV buffers, exchanges and passes)
 over a loopback communicator whose messages are device copies on a
-stream of their own, so only the link is missing. Both run under each K/V schedule of
+stream of their own, so only the link is missing. ``fa4+null`` runs the same code with no message
+moved (its received buffers filled once with normal values after the capture): the ring's own code
+without communication, the issue's measure for the backward too, where the bare schedule adds each
+step's dK/dV into fp32 per owner as the ring does not. Both run under each K/V schedule of
 ``--kv-schedules`` (default ``direct``: what ``cp_attention``'s ``auto`` takes for these shapes).
 
 Packs (issue 15's target: the slowest rank's ring on a 64k pack of documents of 2k-16k tokens at
@@ -109,15 +112,19 @@ def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def interleaved_ms(fns: dict, calls: int = 4, rounds: int = 25, graphed: bool = True) -> dict:
+def interleaved_ms(fns: dict, calls: int = 4, rounds: int = 25, graphed: bool = True,
+                   ready: Optional[Callable] = None) -> dict:
     """GPU milliseconds per call of each function: each one captured (so host launch cost and
     gaps are out of the figure), then replayed in alternating order, round after round, so clock
     and thermal drift hit every variant alike. Median and spread (max - min) over the rounds.
-    ``graphed=False``: ``calls`` eager calls per round instead of a replay (launch cost included)."""
+    ``graphed=False``: ``calls`` eager calls per round instead of a replay (launch cost included).
+    ``ready``: called once every graph is captured, before the rounds (``Loopback.fill``)."""
     if graphed:
         runs = {name: capture(fn, calls).replay for name, fn in fns.items()}
     else:
         runs = {name: (lambda fn=fn: [fn() for _ in range(calls)]) for name, fn in fns.items()}
+    if ready is not None:
+        ready()
     times = {name: [] for name in fns}
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for r in range(rounds):
@@ -314,8 +321,13 @@ class Loopback:
 
     PRIORITY = 0   # the copy stream's CUDA priority (lower is higher; ``--loopback-priority``)
 
-    def __init__(self, rank: int, size: int, device):
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int, size: int, device, copies: bool = True):
+        """``copies=False`` (``BACKEND+null``): no message moves. A buffer received into under a
+        CUDA graph's capture is filled once with normal values after the capture (``fill``), so
+        the graph reads what a message would have brought, never zeros; issued eagerly, it holds
+        what its memory held."""
+        self.rank, self.size, self.copies = rank, size, copies
+        self.unfilled: list = []   # the buffers received into under capture, with copies off
         self.stream = (torch.cuda.Stream(device, priority=self.PRIORITY) if torch.device(device).type == "cuda"
                        else None)
         self.sources: dict = {}
@@ -334,6 +346,10 @@ class Loopback:
             self.received[(phase, kind)] += len(by_peer(recvs))   # a message a peer (K and V apart: two tensors)
             for n, (t, _) in enumerate(recvs):
                 self.received_bytes[(phase, kind)] += t.numel() * t.element_size()
+                if not self.copies:
+                    if self.capturing():
+                        self.unfilled.append(t)
+                    continue
                 same = n < len(sends) and (sends[n][0].shape, sends[n][0].dtype) == (t.shape, t.dtype)
                 src = sends[n][0] if same else None
                 if src is None:   # a buffer kept per shape: made (and filled) once, not at every message
@@ -347,6 +363,15 @@ class Loopback:
                 end = torch.cuda.Event()
                 end.record(self.stream)
         return _Arrived(end)
+
+    def capturing(self) -> bool:
+        return self.stream is not None and torch.cuda.is_current_stream_capturing()
+
+    def fill(self) -> None:
+        """Normal values into every buffer received into under capture (``copies=False``)."""
+        for t in self.unfilled:
+            t.copy_(torch.randn(t.shape, generator=self.gen, device=t.device))
+        self.unfilled.clear()
 
 
 class _Ctx:
@@ -365,15 +390,15 @@ def _spec(softmax: str, mask: str, cu_seqlens=None, pack_layout=PackLayout.ZIGZA
 
 
 def _comm_ring_fns(kernel, schedule: CommSchedule, rank: int, q, k, v, do, sink, softmax, strategy, mask, d,
-                   cu_seqlens=None) -> RankRing:
+                   cu_seqlens=None, copies: bool = True) -> RankRing:
     """One rank's forward and backward through the ring's own code, ``P2PAttention`` under
     ``schedule``'s K/V schedule, over a ``Loopback`` communicator: what ``cp_attention`` runs on a
-    rank, but for the link. ``q``, ``k``, ``v``, ``do``: this rank's ``[b, 2c, h|g, d]`` shards
-    (a pack: ``b = 1`` and its ``cu_seqlens``)."""
+    rank, but for the link (``copies=False``: and the messages). ``q``, ``k``, ``v``, ``do``: this
+    rank's ``[b, 2c, h|g, d]`` shards (a pack: ``b = 1`` and its ``cu_seqlens``)."""
     opts = CPOptions(_spec(softmax, mask, cu_seqlens, schedule.layout.kind), d ** -0.5, kernel, strategy,
                      kv_schedule=schedule.kind)
     cp = schedule.cp
-    comm = Loopback(rank, cp, q.device)
+    comm = Loopback(rank, cp, q.device, copies)
     offset = sink if softmax == "learnable" else None
     ctx = _Ctx()
 
@@ -425,11 +450,11 @@ def shape_key(n_q: int, n_kv: int, band: Band) -> str:
     return f"tile {n_q}x{n_kv} {band}"
 
 
-def _timed(fns: dict, calls: int = 2, rounds: int = 15) -> tuple[dict, str]:
+def _timed(fns: dict, calls: int = 2, rounds: int = 15, ready: Optional[Callable] = None) -> tuple[dict, str]:
     """``interleaved_ms`` from CUDA graphs, or issued eagerly when a capture fails (said, and
     returned as the timing used)."""
     try:
-        return interleaved_ms(fns, calls, rounds), "graphs"
+        return interleaved_ms(fns, calls, rounds, ready=ready), "graphs"
     except RuntimeError as exc:
         print(f"warning: CUDA graph capture failed ({str(exc)[:200]}); timing {sorted(fns)} eagerly")
         torch.cuda.synchronize()
@@ -478,19 +503,21 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
         ("vanilla", SinkStrategy.STEP0, control) for control in controls]
     rows = []
     for name in names:
-        kernel = get_kernel(name.removesuffix("-per-tile").removesuffix("+comm"), ks[0].device)
+        kernel = get_kernel(name.removesuffix("-per-tile").removesuffix("+comm").removesuffix("+null"), ks[0].device)
         slowest, every = {}, collections.defaultdict(dict)   # variant -> rank -> [fwd ms, bwd ms]
         for rank in ranks:
             plan = schedule.plans[rank]
             qh, dol = shards(rank)
             flops = rank_flops(plan, qh.shape[0], qh.shape[1], d)
-            fns, host = {}, {}
+            fns, host, comms = {}, {}, []
             for softmax, strategy, control in runs:
                 variant = f"{softmax} {strategy.value} {control}".rstrip()
-                if name.endswith("+comm"):
+                if name.endswith(("+comm", "+null")):
                     ring = _comm_ring_fns(kernel, schedule, rank,
                                           *(x.transpose(1, 2) for x in (qh, ks[rank], vs[rank], dol)),
-                                          sink, softmax, strategy, mask, d, cu_seqlens)
+                                          sink, softmax, strategy, mask, d, cu_seqlens,
+                                          copies=name.endswith("+comm"))
+                    comms.append(ring.comm)
                 else:
                     ring = _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d,
                                      rows_path=not name.endswith("-per-tile"))
@@ -501,8 +528,10 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
                 host[variant] = (host_us(ring.fwd) + host_us(ring.bwd)) / (2 * len(plan.steps))
                 fns[variant + " fwd"], fns[variant + " bwd"] = ring.fwd, ring.bwd
                 if profile and (softmax, strategy) == RUNS[1]:
-                    _profile_step(f"{name} {profile} rank {rank} {variant}", ring.fwd, ring.bwd)
-            timed, timing = _timed(fns | {f"mono {n}": fn for n, fn in (mono or {}).items()})
+                    _profile_step(f"{name} {profile} rank {rank} {variant}", ring.fwd, ring.bwd,
+                                  ready=getattr(ring.comm, "fill", None))
+            timed, timing = _timed(fns | {f"mono {n}": fn for n, fn in (mono or {}).items()},
+                                   ready=lambda: [c.fill() for c in comms])
             for softmax, strategy, control in runs:
                 variant = f"{softmax} {strategy.value} {control}".rstrip()
                 row = dict(backend=name, kv_schedule=schedule.kind.value, layout=schedule.layout.kind.value, cp=cp,
@@ -732,18 +761,20 @@ def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names
             "rows": with_rates(rows, p.flops, mono_ms, mono="fa4 varlen")}
 
 
-def _profile_step(title: str, fwd, bwd) -> None:
+def _profile_step(title: str, fwd, bwd, ready: Optional[Callable] = None) -> None:
     """Where one warm ring's time goes: a CUDA graph of its forward and one of its backward (as
     the timings replay them: no host gaps), each replayed once under the profiler; per phase the
     kernels by total time, then one by one in the order they started (microseconds from the
     first; the gap since the previous kernel of any stream ended; the CUDA stream), and a summary
     (``timeline``). Eagerly issued calls instead where a capture fails or the profiler sees no
-    kernel of a graph."""
+    kernel of a graph. ``ready``: called once both are captured (``Loopback.fill``)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     eager = {"fwd": fwd, "bwd": bwd}
     try:
         runs, how = {"fwd": capture(fwd, 1).replay, "bwd": capture(bwd, 1).replay}, "graphed"
+        if ready is not None:
+            ready()
     except RuntimeError as exc:
         print(f"warning: CUDA graph capture failed ({str(exc)[:200]}); profiling eager calls")
         runs, how = eager, "eager"
@@ -845,9 +876,9 @@ def parse_args(argv=None):
     ap.add_argument("--kv-schedules", default="direct", help="K/V schedules of the ring and pack benchmarks: ring, "
                     "direct, allgather (comma list; direct is what auto takes for these shapes)")
     ap.add_argument("--ring-backends", default=None,
-                    help="backends of the ring and pack benchmarks, fa4-per-tile, and BACKEND+comm: the ring's "
-                         "own code over a loopback communicator, rings only (default: every backend here, and "
-                         "fa4-per-tile)")
+                    help="backends of the ring and pack benchmarks, fa4-per-tile, BACKEND+comm: the ring's own "
+                         "code over a loopback communicator, and BACKEND+null: the same with no message moved "
+                         "(default: every backend here, and fa4-per-tile)")
     ap.add_argument("--packs", default="", help="pack benchmarks, config:cp,cp;... (e.g. gpt-oss:8): a pack of "
                     "--pack-len tokens in documents of --pack-docs lengths, causal (default: none)")
     ap.add_argument("--pack-len", type=int, default=65536, help="tokens in a pack")

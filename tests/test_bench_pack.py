@@ -125,7 +125,7 @@ def test_a_pack_the_balanced_layout_takes_is_set_up_in_it(bk):
 
 def test_the_slowest_rank_rows_and_their_rates_on_the_cpu(bk, monkeypatch):
     """The bookkeeping the GPU run does, with wall-clock timings standing in for CUDA graph replays."""
-    def cpu_ms(fns, calls=2, rounds=15, graphed=True):
+    def cpu_ms(fns, calls=2, rounds=15, graphed=True, ready=None):
         out = {}
         for name, fn in fns.items():
             t0 = time.perf_counter()
@@ -155,7 +155,7 @@ def test_the_control_variants_turn_off_their_settings_at_each_call(bk, monkeypat
     rows with the kernel's ``concurrent``, ``causal_pieces`` or ``unmasked_config`` off, set at each
     call (the variants of one kernel run interleaved); the other variants run with the class's
     settings."""
-    monkeypatch.setattr(bk, "interleaved_ms", lambda fns, calls=2, rounds=15, graphed=True:
+    monkeypatch.setattr(bk, "interleaved_ms", lambda fns, calls=2, rounds=15, graphed=True, ready=None:
                         {name: {"ms": 1.0, "spread_ms": 0.0} for name in fns})
     monkeypatch.setattr(bk, "host_us", lambda fn, calls=20: 1.0)
 
@@ -188,7 +188,7 @@ def test_a_rows_ratio_comes_from_the_monolithic_calls_timed_in_its_own_run(bk, m
     monolithic calls' own run stays beside it ("timed apart")."""
     runs = []
 
-    def fake_ms(fns, calls=2, rounds=15, graphed=True):
+    def fake_ms(fns, calls=2, rounds=15, graphed=True, ready=None):
         runs.append(sorted(fns))
         scale = len(runs)   # each run its own clock: the monolithic calls read differently in each
         return {name: {"ms": (2.0 if name.startswith("mono") else 1.0) * scale, "spread_ms": 0.0} for name in fns}
@@ -322,6 +322,47 @@ def test_the_loopback_never_feeds_zeros(bk):
     comm.post([(send, 1)], [(same, 3)], "kv", "fwd", 3).wait()
     assert torch.equal(same, send)
     assert comm.received[("fwd", "kv")] == 3
+
+
+def test_the_null_communicator_moves_nothing_and_fills_what_a_capture_received_into(bk, monkeypatch):
+    """``BACKEND+null``: the ring's own code with no message moved. Every message is still
+    counted; a buffer received into is left as it is, except under a CUDA graph's capture, where it
+    is kept and ``fill`` writes normal values into it once (the graph then reads no zeros)."""
+    comm = bk.Loopback(0, 4, "cpu", copies=False)
+    send = torch.full((32, 16), 3.0, dtype=torch.bfloat16)
+    recv = torch.zeros(32, 16, dtype=torch.bfloat16)
+    comm.post([(send, 1)], [(recv, 3)], "kv", "fwd", 1).wait()
+    assert (recv == 0).all() and comm.unfilled == []
+    monkeypatch.setattr(comm, "capturing", lambda: True)
+    captured = torch.zeros(64, 16, dtype=torch.bfloat16)
+    comm.post([(send, 1)], [(recv, 3), (captured, 3)], "kv", "fwd", 2).wait()
+    assert (recv == 0).all() and (captured == 0).all() and len(comm.unfilled) == 2
+    comm.fill()
+    for t in (recv, captured):
+        assert 0.8 < t.float().std().item() < 1.2 and (t == 0).float().mean().item() < 0.01
+    assert comm.unfilled == [] and comm.received[("fwd", "kv")] == 2
+    assert comm.received_bytes[("fwd", "kv")] == (2 * 32 + 64) * 16 * 2
+
+
+def test_a_null_ring_is_timed_after_its_buffers_are_filled(bk, monkeypatch):
+    """``slowest_rank`` with ``torch+null`` runs ``P2PAttention`` over a ``Loopback`` that copies
+    nothing, and its timing gets the fill of those rings' buffers to call between capture and the
+    rounds."""
+    filled = []
+    monkeypatch.setattr(bk.Loopback, "fill", lambda self: filled.append(self))
+
+    def cpu_ms(fns, calls=2, rounds=15, graphed=True, ready=None):
+        assert filled == []
+        ready()
+        return {name: {"ms": 1.0, "spread_ms": 0.0} for name in fns}
+    monkeypatch.setattr(bk, "interleaved_ms", cpu_ms)
+    monkeypatch.setattr(bk, "host_us", lambda fn, calls=20: 1.0)
+    docs = bk.pack_lengths(96, 8, 32, 8, seed=1)
+    p = bk.pack_setup(4, 4, 2, 8, docs, "cpu", dtype=torch.float32)
+    rows = bk.slowest_rank(["torch+null"], p.schedule, [0], p.shards, p.ks, p.vs, p.sink, "causal", 8,
+                           cu_seqlens=[0, *itertools.accumulate(docs)])
+    assert [r["backend"] for r in rows] == ["torch+null"] * 3
+    assert len(filled) == 3 and all(not c.copies for c in filled)
 
 
 def test_a_ranks_calls_are_its_steps_tiles_and_their_standalone_time_its_shape_cost(bk):
