@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything this project runs on the one-H200 machine; logs and results under $OUT.
 # The GPU packages (cuDNN frontend, nvtx, FlashAttention-4 and its CuTe DSL) travel as wheels, in
-# two device calls made back to back (see ../shared/tools/gpu-wheels.sh, which fills the folders):
+# two device calls made back to back (../shared/tools/gpu-wheels.sh fills the folders; since this checkout
+# and its wheels outgrew one call's 64 MiB, scripts/gpu_wheels_xz.sh then repacks them):
 #   device run, carry [".whl-a"]:         mkdir -p /tmp/wheels && cp .whl-a/* /tmp/wheels/
 #   device run, carry [".whl-b", ".whl"]: source .whl-b/install.sh && bash scripts/gpu_session.sh tests
 # Later calls on the same warm machine: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
@@ -9,7 +10,7 @@
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
-# session20 session20b session20c prof21 verify21
+# session20 session20b session20c prof21 verify21 rings21 rings21b
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -538,9 +539,18 @@ if [[ $what == *" verify21 "* ]]; then   # <= 420 s: what has not run on a GPU s
       --mask causal --window 127,0 --kv-schedule all --dtype bf16 --sink-strategy all --sink-grad full --batch 1 \
       --seq-len 4096 --heads 8 --kv-heads 4 --head-dim 64 --run-timeout 110 --format json --output "$OUT/check_fa4_cp4_21.json"
 fi
+if [[ $what == *" rings21 "* ]]; then   # <= 300 s: issue 11's h16 table with the ring's own code without communication
+  # (fa4+null: P2PAttention, no message moved) between the bare schedule and the loopback, in one interleaved run a config
+  run ring21 ${RING_S:-290} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4" \
+      --ring-backends fa4,fa4+null,fa4+comm --out "$OUT/ring21.json"
+fi
+if [[ $what == *" rings21b "* ]]; then   # <= 540 s: the same at h16 cp 8 and gpt-oss cp 2
+  run ring21b ${RING_S:-530} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8;gpt-oss:2" \
+      --ring-backends fa4,fa4+null,fa4+comm --out "$OUT/ring21b.json"
+fi
 if [[ $what == *" prof21 "* ]]; then   # <= 300 s: where the loopback ring's forward loses 4-9 points against the bare
-  # schedule at h16 d128 (twentieth session): both profiled in one run, the copies' share (DMA, beside the calls) apart
-  run ring_prof21 ${RING_S:-280} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4" --masks causal \
-      --ring-backends fa4,fa4+comm --profile-step --out "$OUT/ring_prof21.json"
+  # schedule at h16 d128 (twentieth session): the ring's own code with and without its messages profiled in one run
+  run ring_prof21 ${RING_S:-240} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4" --masks causal \
+      --ring-backends fa4+null,fa4+comm --profile-step --out "$OUT/ring_prof21.json"
   run copy_probe21 ${PROBE_S:-60} python3 scripts/copy_probe.py
 fi
