@@ -219,7 +219,7 @@ import multiprocessing.context, os, signal, sys
 start = multiprocessing.context.SpawnProcess.start
 def start_under_a_ctrl_c(self):
     rank = self._args[0]
-    os.kill({target}, signal.SIGINT)   # the Ctrl-C comes in the moment a rank starts
+    os.kill({target}, signal.{signum})   # the Ctrl-C comes in the moment a rank starts
     start(self)
     {after}
 multiprocessing.context.SpawnProcess.start = start_under_a_ctrl_c
@@ -229,23 +229,26 @@ main()
 """
 
 
-def test_a_ctrl_c_in_the_moment_a_rank_starts_stops_the_run():
-    """It was lost: the parent ignored SIGINT while it started a rank (so that the rank inherits
-    the ignoring) and the run went on to exit 0."""
-    proc = subprocess.run([sys.executable, "-c", _SIGNAL_DURING_START.format(target="os.getpid()", after="")],
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_ctrl_c_in_the_moment_a_rank_starts_stops_the_run(signum):
+    """A SIGINT was lost: the parent ignored it while it started a rank (so that the rank inherits
+    the ignoring) and the run went on to exit 0. A SIGTERM stopped the run in the middle of the
+    start, leaving a rank with no pid, which read half a message and printed a traceback."""
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_DURING_START.format(target="os.getpid()", after="",
+                                                                             signum=signum.name)],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 130, proc.stderr
+    assert proc.returncode == 128 + signum, proc.stderr
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("sinkprof: stopped by SIGINT"), proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"sinkprof: stopped by {signum.name}; ended rank(s) 0", proc.stderr
 
 
 def test_a_ctrl_c_to_a_rank_while_it_starts_ends_it_with_its_last_words():
-    """A rank starts with SIGINT blocked and ignored: a SIGINT that reaches it before it handles
+    """A rank starts with SIGINT blocked: a SIGINT that reaches it before it handles
     signals waits (no traceback from its imports), then ends it with exit 130; the parent names the
     signal and stops the run with exit 1. It was lost, and the run went on to exit 0."""
     proc = subprocess.run([sys.executable, "-c", _SIGNAL_DURING_START.format(
-        target="os.getpid()", after="rank == 1 and os.kill(self.pid, signal.SIGINT)   # rank 1").replace(
+        target="os.getpid()", signum="SIGINT", after="rank == 1 and os.kill(self.pid, signal.SIGINT)   # rank 1").replace(
         "os.kill(os.getpid(), signal.SIGINT)   # the Ctrl-C comes in the moment a rank starts", "pass")],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
@@ -257,7 +260,7 @@ def test_a_rank_that_cannot_be_started_is_one_line_and_the_started_ones_stop():
     """A fork the system refuses for rank 1 was a traceback, and rank 0, started, waited for its
     peer while the parent waited for it (a hang until the timeout)."""
     script = _SIGNAL_DURING_START.replace(
-        "    os.kill({target}, signal.SIGINT)   # the Ctrl-C comes in the moment a rank starts\n",
+        "    os.kill({target}, signal.{signum})   # the Ctrl-C comes in the moment a rank starts\n",
         "    if rank == 1: raise OSError(11, 'Resource temporarily unavailable')\n").format(after="")
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", script],

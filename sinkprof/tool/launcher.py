@@ -206,7 +206,7 @@ def _last_words_on_signal(rank: int) -> None:
         _say_last_words(rank, f"the rank was stopped by {signum.name} at {where}")
         _flush()
         os._exit(128 + signum)
-    threading.Thread(target=watch, daemon=True).start()   # (it inherits the block: signals go to this thread)
+    threading.Thread(target=watch, daemon=True).start()   # (it inherits the block: signals go to the main thread)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPPING)    # what came while the rank started (``_start``)
 
 
@@ -332,20 +332,27 @@ def _start(proc) -> None:
     """Start a rank with SIGINT blocked. The rank inherits the block across ``exec``: a Ctrl-C while
     it imports torch stays pending (no KeyboardInterrupt traceback) until it has set its own
     handling and unblocks it (``_last_words_on_signal``), and then ends it with its last words.
-    Here, a SIGINT during ``proc.start()`` (which another thread of this process may take while
-    this one blocks it) is held and passed to this process's handler once the rank has started:
-    raised in the middle of the start, it would leave a rank reading half of what it was sent.
-    multiprocessing's resource tracker is started before (``launch``): starting it unblocks SIGINT."""
-    came: list = []
-    handler = signal.signal(signal.SIGINT, lambda signum, frame: came.append(frame))
+    Here, a SIGINT or SIGTERM during ``proc.start()`` (a SIGINT another thread of this process may
+    take while this one blocks it) is held and passed to this process's handler once the start has
+    ended, even by an error: raised in the middle of the start, it would leave a rank reading half
+    of what it was sent, with no pid to be stopped by. SIGTERM is not blocked, so that a rank still
+    importing torch can be stopped at once. multiprocessing's resource tracker is started before
+    (``launch``): starting it unblocks SIGINT."""
+    came: list = []   # (signal number, frame) of what came during the start
+    handlers = {s: signal.signal(s, lambda signum, frame: came.append((signum, frame))) for s in STOPPING}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         proc.start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        signal.signal(signal.SIGINT, handler)
-    if came and callable(handler):
-        handler(signal.SIGINT, came[0])
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        if came:
+            signum, frame = came[0]
+            if callable(handlers[signum]):
+                handlers[signum](signum, frame)
+            elif handlers[signum] in (signal.SIG_DFL, None):
+                signal.raise_signal(signum)
 
 
 class _Stop(Exception):
@@ -422,13 +429,15 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
             store = os.path.join(folder, "store")
             procs = [ctx.Process(target=_spawned, args=(r, nproc, store, os.getpid(), job, args, device, backend,
                                                         timeout, run_timeout, config)) for r in range(nproc)]
-            mp.resource_tracker.ensure_running()   # not in _start: it unblocks SIGINT after starting its process
             for r, p in enumerate(procs):
                 try:
+                    if r == 0:
+                        mp.resource_tracker.ensure_running()   # not in _start: starting it unblocks SIGINT
                     _start(p)
                 except OSError as exc:
-                    raise StartError(f"rank {r} of {nproc} could not be started: {exc.strerror or exc}; the "
-                                     f"ranks started before it were stopped") from None
+                    what = ": ".join(str(x) for x in (exc.filename, exc.strerror or exc) if x)
+                    raise StartError(f"rank {r} of {nproc} could not be started: {what}"
+                                     + ("; the ranks started before it were stopped" if r else "")) from None
             stopped = _supervise(procs, run_timeout)
     except _Stop as stop:
         for s in STOPPING:
@@ -439,6 +448,8 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
               file=sys.stderr, flush=True)
         return 128 + stop.signum
     except BaseException:   # a rank that could not start: the started ones would wait for it until their timeout
+        for s in STOPPING:   # (a Ctrl-C now would end the stopping half-way, in a traceback)
+            signal.signal(s, signal.SIG_IGN)
         _stop_all([p for p in procs if p.pid is not None])
         raise
     finally:
