@@ -324,10 +324,11 @@ class Loopback:
     def __init__(self, rank: int, size: int, device, copies: bool = True):
         """``copies=False`` (``BACKEND+null``): no message moves. A buffer received into under a
         CUDA graph's capture is filled once with normal values after the capture (``fill``), so
-        the graph reads what a message would have brought, never zeros; issued eagerly, it holds
-        what its memory held."""
+        the graph reads what a message would have brought, never zeros; issued eagerly, the first
+        time its memory is received into. Unlike a copy's, its data is not in L2 when it is read."""
         self.rank, self.size, self.copies = rank, size, copies
         self.unfilled: list = []   # the buffers received into under capture, with copies off
+        self.filled: set = set()   # (address, shape, strides, dtype) of those filled eagerly
         self.stream = (torch.cuda.Stream(device, priority=self.PRIORITY) if torch.device(device).type == "cuda"
                        else None)
         self.sources: dict = {}
@@ -349,6 +350,9 @@ class Loopback:
                 if not self.copies:
                     if self.capturing():
                         self.unfilled.append(t)
+                    elif (key := (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)) not in self.filled:
+                        t.normal_(generator=self.gen)
+                        self.filled.add(key)
                     continue
                 same = n < len(sends) and (sends[n][0].shape, sends[n][0].dtype) == (t.shape, t.dtype)
                 src = sends[n][0] if same else None
@@ -370,7 +374,7 @@ class Loopback:
     def fill(self) -> None:
         """Normal values into every buffer received into under capture (``copies=False``)."""
         for t in self.unfilled:
-            t.copy_(torch.randn(t.shape, generator=self.gen, device=t.device))
+            t.normal_(generator=self.gen)
         self.unfilled.clear()
 
 
@@ -532,6 +536,8 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
                                   ready=getattr(ring.comm, "fill", None))
             timed, timing = _timed(fns | {f"mono {n}": fn for n, fn in (mono or {}).items()},
                                    ready=lambda: [c.fill() for c in comms])
+            for c in comms:   # (what a failed capture left)
+                c.unfilled.clear()
             for softmax, strategy, control in runs:
                 variant = f"{softmax} {strategy.value} {control}".rstrip()
                 row = dict(backend=name, kv_schedule=schedule.kind.value, layout=schedule.layout.kind.value, cp=cp,
