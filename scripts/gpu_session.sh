@@ -10,7 +10,7 @@
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
-# session20 session20b session20c prof21 verify21 rings21 rings21b
+# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -547,6 +547,15 @@ fi
 if [[ $what == *" rings21b "* ]]; then   # <= 540 s: the same at h16 cp 8 and gpt-oss cp 2
   run ring21b ${RING_S:-530} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8;gpt-oss:2" \
       --ring-backends fa4,fa4+null,fa4+comm --out "$OUT/ring21b.json"
+fi
+if [[ $what == *" layout21 "* ]]; then   # <= 120 s: does FA4 read K/V faster head-major (the bare schedule's gathered
+  # runs) than token-major (the ring's buffers)? the bare forward ran 6 points above the ring's code at h16 cp 8 causal
+  run layout_probe21 ${PROBE_S:-110} python3 scripts/layout_probe.py --kv-rows 28672,8192
+fi
+if [[ $what == *" prof22 "* ]]; then   # <= 400 s: the bare schedule and the ring's own code without messages at h16 cp 8
+  # causal, profiled in one run: where the ring's code loses its 6 points of the forward
+  run ring_prof22 ${RING_S:-390} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" --masks causal \
+      --ring-backends fa4,fa4+null --profile-step --out "$OUT/ring_prof22.json"
 fi
 if [[ $what == *" prof21 "* ]]; then   # <= 300 s: where the loopback ring's forward loses 4-9 points against the bare
   # schedule at h16 d128 (twentieth session): the ring's own code with and without its messages profiled in one run

@@ -451,3 +451,16 @@ def test_the_probes_usage_errors_name_the_option_and_exit_2(script, argv, says):
     done = subprocess.run([sys.executable, str(SCRIPT.parent / script), *argv], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("script,argv,says", [
+    ("layout_probe.py", ["--kv-rows", "0"], "--kv-rows 0"), ("layout_probe.py", ["--kv-rows", "x"], "--kv-rows x"),
+    ("layout_probe.py", [], "needs FlashAttention-4 on a GPU"), ("copy_probe.py", ["--mib", "0"], "--mib 0"),
+    ("copy_probe.py", [], "needs FlashAttention-4 on a GPU")])
+def test_the_layout_and_copy_probes_usage_errors_name_the_option_and_exit_2(script, argv, says):
+    import subprocess
+    if torch.cuda.is_available() and not argv:
+        pytest.skip("a GPU is here: the probe would run")
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / script), *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
