@@ -85,6 +85,25 @@ FA4_WINDOW = fa4_module.fa4_window   # FA4's own reading of a band (``--fa4-full
 BWD_FLOPS = 2.5     # a backward counted as 2.5 forwards
 
 
+def positive_ints(ap: argparse.ArgumentParser, option: str, text: str, what: str, example: str) -> list[int]:
+    """A probe's comma-separated list of positive whole numbers, or its usage error (exit 2)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        ap.error(f"{option} {text}: give {what}, comma-separated, e.g. {example}")
+    return values
+
+
+def probe_ms(fns: dict) -> dict:
+    """A probe's functions, each called once (FA4 compiles on first use), then ``interleaved_ms``."""
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    return interleaved_ms(fns, calls=2, rounds=15)
+
+
 def fa4_interface_or_exit(ap: argparse.ArgumentParser):
     """FA4's ``flash_attn.cute.interface`` for a probe script, or its usage error (exit 2) naming
     why FA4 cannot run here; the command line is cut to the program name first, as the CuTe DSL

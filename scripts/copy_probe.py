@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import fa4_interface_or_exit, interleaved_ms  # noqa: E402
+from bench_kernels import fa4_interface_or_exit, positive_ints, probe_ms  # noqa: E402
 
 
 def beside(call, copy, first: bool):
@@ -50,12 +50,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--rows", type=int, default=8192, help="rows = keys of the FA4 calls")
     args = ap.parse_args()
-    try:
-        sizes = [int(x) for x in args.mib.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        ap.error(f"--mib {args.mib}: give positive whole MiB, comma-separated, e.g. 64,256")
+    sizes = positive_ints(ap, "--mib", args.mib, "positive whole MiB", "64,256")
     fa4 = fa4_interface_or_exit(ap)
     dev = torch.device("cuda")
     h, d, n = args.heads, args.head_dim, args.rows
@@ -76,10 +71,7 @@ def main() -> None:
         for kname, copy in copies.items():
             fns[f"{cname} + {kname} (copy first)"] = beside(call, copy, first=True)
             fns[f"{cname} + {kname} (copy after)"] = beside(call, copy, first=False)
-    for name, fn in fns.items():
-        fn()
-    torch.cuda.synchronize()
-    timed = interleaved_ms(fns, calls=2, rounds=15)
+    timed = probe_ms(fns)
     print(f"{torch.cuda.get_device_name()}: h{h} d{d}, {n} x {n}, bf16; median ms per call (spread)")
     for name, r in timed.items():
         print(f"  {name:64s} {r['ms']:8.3f}  ({r['spread_ms']:.3f})")

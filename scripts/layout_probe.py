@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import fa4_interface_or_exit, interleaved_ms  # noqa: E402
+from bench_kernels import fa4_interface_or_exit, positive_ints, probe_ms  # noqa: E402
 
 
 def main() -> None:
@@ -31,12 +31,7 @@ def main() -> None:
     ap.add_argument("--q-rows", type=int, default=4096)
     ap.add_argument("--kv-rows", default="28672,8192", help="key counts, comma-separated")
     args = ap.parse_args()
-    try:
-        kv_rows = [int(x) for x in args.kv_rows.split(",")]
-    except ValueError:
-        kv_rows = []
-    if not kv_rows or min(kv_rows) < 1:
-        ap.error(f"--kv-rows {args.kv_rows}: give positive key counts, comma-separated, e.g. 28672,8192")
+    kv_rows = positive_ints(ap, "--kv-rows", args.kv_rows, "positive key counts", "28672,8192")
     fa4 = fa4_interface_or_exit(ap)
     h, g, d, n = args.heads, args.kv_heads, args.head_dim, args.q_rows
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -54,10 +49,7 @@ def main() -> None:
             fns[f"{key} fwd"] = lambda kk=kk, vv=vv: fa4._flash_attn_fwd(q, kk, vv, return_lse=True)
             fns[f"{key} bwd"] = lambda kk=kk, vv=vv, o=o, lse=lse: fa4._flash_attn_bwd(q, kk, vv, o, do, lse)
             flops[f"{key} fwd"], flops[f"{key} bwd"] = 4 * h * d * n * m, 2.5 * 4 * h * d * n * m
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    timed = interleaved_ms(fns, calls=2, rounds=15)
+    timed = probe_ms(fns)
     print(f"{torch.cuda.get_device_name()}: h{h} g{g} d{d}, full band, bf16; median ms per call (spread), TFLOP/s")
     for name, r in timed.items():
         print(f"  {name:44s} {r['ms']:8.3f}  ({r['spread_ms']:.3f})  {flops[name] / r['ms'] / 1e9:7.1f}")
