@@ -31,7 +31,9 @@ over a loopback communicator whose messages are device copies on a
 stream of their own, so only the link is missing. ``fa4+null`` runs the same code with no message
 moved (its received buffers filled once with normal values after the capture): the ring's own code
 without communication, the issue's measure for the backward too, where the bare schedule adds each
-step's dK/dV into fp32 per owner as the ring does not. Both run under each K/V schedule of
+step's dK/dV into fp32 per owner as the ring does not. ``fa4+comm-concurrent`` issues every copy on
+a stream of its own, all at once, as one NCCL launch would move a post's tensors: over the plain
+loopback, the copies after a post's first wait behind the compute call issued after them. Both run under each K/V schedule of
 ``--kv-schedules`` (default ``direct``: what ``cp_attention``'s ``auto`` takes for these shapes).
 
 Packs (issue 15's target: the slowest rank's ring on a 64k pack of documents of 2k-16k tokens at
@@ -314,16 +316,16 @@ def _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, 
 
 
 class _Arrived:
-    """A loopback message: done once the compute stream waits for the end of its copies (an event
+    """A loopback message: done once the compute stream waits for the end of its copies (events
     recorded when they were posted, as NCCL's work ends with its own op: a message posted later
     on the copy stream is not waited for); on the CPU, at once."""
 
-    def __init__(self, event: Optional[torch.cuda.Event]):
-        self.event = event
+    def __init__(self, events: list):
+        self.events = events
 
     def wait(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+        for event in self.events:
+            torch.cuda.current_stream().wait_event(event)
 
 
 class Loopback:
@@ -339,17 +341,23 @@ class Loopback:
     they are."""
 
     PRIORITY = 0   # the copy stream's CUDA priority (lower is higher; ``--loopback-priority``)
+    POOL = 8   # the streams concurrent copies take in turn
 
-    def __init__(self, rank: int, size: int, device, copies: bool = True):
-        """``copies=False`` (``BACKEND+null``): no message moves. A buffer received into under a
+    def __init__(self, rank: int, size: int, device, copies: bool = True, concurrent: bool = False):
+        """``concurrent`` (``BACKEND+comm-concurrent``): each copy on a stream of its own, every copy
+        of every post issued at once (as one NCCL launch moves a post's tensors together), not one
+        after another on the copy stream. ``copies=False`` (``BACKEND+null``): no message moves. A buffer received into under a
         CUDA graph's capture is filled once with normal values after the capture (``fill``), so
         the graph reads what a message would have brought, never zeros; issued eagerly, the first
         time its memory is received into. Unlike a copy's, its data is not in L2 when it is read."""
-        self.rank, self.size, self.copies = rank, size, copies
+        self.rank, self.size, self.copies, self.concurrent = rank, size, copies, concurrent
         self.unfilled: list = []   # the buffers received into under capture, with copies off
         self.filled: set = set()   # (address, shape, strides, dtype) of those filled eagerly
         self.stream = (torch.cuda.Stream(device, priority=self.PRIORITY) if torch.device(device).type == "cuda"
                        else None)
+        self.streams = ([torch.cuda.Stream(device, priority=self.PRIORITY) for _ in range(self.POOL)]
+                        if self.stream is not None and concurrent else [])   # concurrent copies, in turn
+        self.turn = 0
         self.sources: dict = {}
         self.gen = torch.Generator(device=device).manual_seed(1000 + rank)
         self.received: dict = collections.Counter()   # (phase, kind) -> messages received
@@ -362,6 +370,7 @@ class Loopback:
     def post(self, sends: list, recvs: list, kind: str, phase: str, step: int) -> _Arrived:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
+        ends = []   # the events the message's arrival waits for
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             self.received[(phase, kind)] += len(by_peer(recvs))   # a message a peer (K and V apart: two tensors)
             for n, (t, _) in enumerate(recvs):
@@ -380,12 +389,20 @@ class Loopback:
                     if key not in self.sources:
                         self.sources[key] = torch.randn(t.shape, generator=self.gen, device=t.device).to(t.dtype)
                     src = self.sources[key]
-                t.copy_(src)
-            end = None
-            if self.stream is not None:
-                end = torch.cuda.Event()
-                end.record(self.stream)
-        return _Arrived(end)
+                if self.streams:   # concurrent: a stream of the pool, after the same wait
+                    side = self.streams[self.turn % len(self.streams)]
+                    self.turn += 1
+                    side.wait_stream(self.stream)
+                    with torch.cuda.stream(side):
+                        t.copy_(src)
+                    ends.append(torch.cuda.Event())
+                    ends[-1].record(side)
+                else:
+                    t.copy_(src)
+            if self.stream is not None and not ends:
+                ends.append(torch.cuda.Event())
+                ends[-1].record(self.stream)
+        return _Arrived(ends)
 
     def capturing(self) -> bool:
         return self.stream is not None and torch.cuda.is_current_stream_capturing()
@@ -413,15 +430,15 @@ def _spec(softmax: str, mask: str, cu_seqlens=None, pack_layout=PackLayout.ZIGZA
 
 
 def _comm_ring_fns(kernel, schedule: CommSchedule, rank: int, q, k, v, do, sink, softmax, strategy, mask, d,
-                   cu_seqlens=None, copies: bool = True) -> RankRing:
+                   cu_seqlens=None, copies: bool = True, concurrent: bool = False) -> RankRing:
     """One rank's forward and backward through the ring's own code, ``P2PAttention`` under
     ``schedule``'s K/V schedule, over a ``Loopback`` communicator: what ``cp_attention`` runs on a
-    rank, but for the link (``copies=False``: and the messages). ``q``, ``k``, ``v``, ``do``: this
+    rank, but for the link (``copies=False``: and the messages; ``concurrent``: ``Loopback``'s). ``q``, ``k``, ``v``, ``do``: this
     rank's ``[b, 2c, h|g, d]`` shards (a pack: ``b = 1`` and its ``cu_seqlens``)."""
     opts = CPOptions(_spec(softmax, mask, cu_seqlens, schedule.layout.kind), d ** -0.5, kernel, strategy,
                      kv_schedule=schedule.kind)
     cp = schedule.cp
-    comm = Loopback(rank, cp, q.device, copies)
+    comm = Loopback(rank, cp, q.device, copies, concurrent)
     offset = sink if softmax == "learnable" else None
     ctx = _Ctx()
 
@@ -526,7 +543,7 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
         ("vanilla", SinkStrategy.STEP0, control) for control in controls]
     rows = []
     for name in names:
-        kernel = get_kernel(name.removesuffix("-per-tile").removesuffix("+comm").removesuffix("+null"), ks[0].device)
+        kernel = get_kernel(name.split("+")[0].removesuffix("-per-tile"), ks[0].device)
         slowest, every = {}, collections.defaultdict(dict)   # variant -> rank -> [fwd ms, bwd ms]
         for rank in ranks:
             plan = schedule.plans[rank]
@@ -535,11 +552,11 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
             fns, host, comms = {}, {}, []
             for softmax, strategy, control in runs:
                 variant = f"{softmax} {strategy.value} {control}".rstrip()
-                if name.endswith(("+comm", "+null")):
+                if name.endswith(("+comm", "+comm-concurrent", "+null")):
                     ring = _comm_ring_fns(kernel, schedule, rank,
                                           *(x.transpose(1, 2) for x in (qh, ks[rank], vs[rank], dol)),
                                           sink, softmax, strategy, mask, d, cu_seqlens,
-                                          copies=name.endswith("+comm"))
+                                          copies=not name.endswith("+null"), concurrent=name.endswith("-concurrent"))
                     comms.append(ring.comm)
                 else:
                     ring = _ring_fns(kernel, schedule, rank, qh, dol, ks, vs, sink, softmax, strategy, mask, d,
@@ -902,8 +919,9 @@ def parse_args(argv=None):
                     "direct, allgather (comma list; direct is what auto takes for these shapes)")
     ap.add_argument("--ring-backends", default=None,
                     help="backends of the ring and pack benchmarks, fa4-per-tile, BACKEND+comm: the ring's own "
-                         "code over a loopback communicator, and BACKEND+null: the same with no message moved "
-                         "(default: every backend here, and fa4-per-tile)")
+                         "code over a loopback communicator, BACKEND+comm-concurrent: the same with every copy "
+                         "issued at once, and BACKEND+null: the same with no message moved (default: every "
+                         "backend here, and fa4-per-tile)")
     ap.add_argument("--packs", default="", help="pack benchmarks, config:cp,cp;... (e.g. gpt-oss:8): a pack of "
                     "--pack-len tokens in documents of --pack-docs lengths, causal (default: none)")
     ap.add_argument("--pack-len", type=int, default=65536, help="tokens in a pack")

@@ -10,7 +10,7 @@
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
-# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22
+# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -556,6 +556,12 @@ if [[ $what == *" prof22 "* ]]; then   # <= 400 s: the bare schedule and the rin
   # causal, profiled in one run: where the ring's code loses its 6 points of the forward
   run ring_prof22 ${RING_S:-390} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" --masks causal \
       --ring-backends fa4,fa4+null --profile-step --out "$OUT/ring_prof22.json"
+fi
+if [[ $what == *" chain22 "* ]]; then   # <= 300 s: do the loopback's chained copies cost its forward its 1-4 points
+  # (twenty-first session's profile: the copies after a post's first waited for the call issued after them)? the
+  # ring's own code with no messages, over the loopback, and over the loopback with every copy issued at once
+  run ring_chain22 ${RING_S:-290} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4,8" --masks causal \
+      --ring-backends fa4+null,fa4+comm,fa4+comm-concurrent --out "$OUT/ring_chain22.json"
 fi
 if [[ $what == *" prof21 "* ]]; then   # <= 300 s: where the loopback ring's forward loses 4-9 points against the bare
   # schedule at h16 d128 (twentieth session): the ring's own code with and without its messages profiled in one run

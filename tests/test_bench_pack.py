@@ -370,6 +370,30 @@ def test_a_null_ring_is_timed_after_its_buffers_are_filled(bk, monkeypatch):
     assert len(filled) == 3 and all(not c.copies for c in filled)
 
 
+def test_the_concurrent_loopback_is_its_own_backend_in_the_same_run(bk, monkeypatch):
+    """``BACKEND+comm-concurrent`` runs the ring's own code over a ``Loopback`` that issues every
+    copy at once (on the GPU, each on a stream of its own), timed in the same interleaved run as
+    ``+comm``; on the CPU its messages arrive as the plain loopback's do."""
+    made = []
+    real = bk.Loopback.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(bk.Loopback, "__init__", init)
+    monkeypatch.setattr(bk, "interleaved_ms", lambda fns, calls=2, rounds=15, graphed=True, ready=None:
+                        {name: {"ms": 1.0, "spread_ms": 0.0} for name in fns})
+    monkeypatch.setattr(bk, "host_us", lambda fn, calls=20: 1.0)
+    docs = bk.pack_lengths(96, 8, 32, 8, seed=1)
+    p = bk.pack_setup(4, 4, 2, 8, docs, "cpu", dtype=torch.float32)
+    rows = bk.slowest_rank(["torch+comm", "torch+comm-concurrent"], p.schedule, [0], p.shards, p.ks, p.vs, p.sink,
+                           "causal", 8, cu_seqlens=[0, *itertools.accumulate(docs)])
+    assert [r["backend"] for r in rows] == ["torch+comm"] * 3 + ["torch+comm-concurrent"] * 3
+    assert [c.concurrent for c in made] == [False] * 3 + [True] * 3
+    assert all(c.copies and c.streams == [] for c in made)
+    assert made[0].received == made[3].received and made[0].received_bytes == made[3].received_bytes
+
+
 def test_a_ranks_calls_are_its_steps_tiles_and_their_standalone_time_its_shape_cost(bk):
     """What a ring's tile shapes cost: a causal cp 8 rank's calls are its step-0 causal tile and
     one full tile a step (rank 4: four of all its rows against the first chunk, then three of its
