@@ -192,8 +192,8 @@ def test_ranks_started_with_different_options_stop_with_exit_2_naming_the_option
 
 def test_ctrl_c_while_the_ranks_import_torch_is_exit_130_without_a_traceback():
     """A Ctrl-C (SIGINT to the whole process group) while the spawned ranks start used to print
-    each rank's KeyboardInterrupt traceback; the ranks now ignore it until they handle it, and the
-    parent stops them."""
+    each rank's KeyboardInterrupt traceback; the ranks now start with it blocked until they handle
+    it, and the parent stops them."""
     proc = subprocess.Popen([sys.executable, "-m", "sinkprof", "check", "--seq-len", "64", "--heads", "2",
                              "--head-dim", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -269,6 +269,60 @@ def test_a_rank_that_cannot_be_started_is_one_line_and_the_started_ones_stop():
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr == ("sinkprof: rank 1 of 2 could not be started: Resource temporarily unavailable; the ranks "
                            "started before it were stopped\n")
+
+
+def test_a_signal_held_while_a_rank_failed_to_start_still_stops_the_run():
+    """The SIGTERM that came during the failed start is the run's end (exit 143), not the start
+    error, and rank 0, started, is stopped."""
+    script = _SIGNAL_DURING_START.replace(
+        "    os.kill({target}, signal.{signum})   # the Ctrl-C comes in the moment a rank starts\n",
+        "    if rank == 1: os.kill(os.getpid(), signal.SIGTERM); raise OSError(11, 'Resource temporarily unavailable')\n"
+    ).format(after="")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stderr == "sinkprof: stopped by SIGTERM; ended rank(s) 0\n"
+
+
+def test_a_signal_while_the_started_ranks_are_stopped_after_a_failed_start_does_not_interrupt_it():
+    """A SIGTERM during the stopping that follows a rank's failed start could raise in the middle of
+    it: a traceback, and rank 0 left running while the parent waited for it at exit. The stopping
+    goes on and the start error stands."""
+    script = _SIGNAL_DURING_START.replace(
+        "    os.kill({target}, signal.{signum})   # the Ctrl-C comes in the moment a rank starts\n",
+        "    if rank == 1: raise OSError(11, 'Resource temporarily unavailable')\n"
+    ).format(after="").replace("multiprocessing.context.SpawnProcess.start = start_under_a_ctrl_c", """\
+multiprocessing.context.SpawnProcess.start = start_under_a_ctrl_c
+join = multiprocessing.context.SpawnProcess.join
+def join_under_a_sigterm(self, timeout=None):
+    if not getattr(join_under_a_sigterm, "sent", False):   # the first join is the stopping's
+        join_under_a_sigterm.sent = True
+        os.kill(os.getpid(), signal.SIGTERM)
+    return join(self, timeout)
+multiprocessing.context.SpawnProcess.join = join_under_a_sigterm""")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == ("sinkprof: rank 1 of 2 could not be started: Resource temporarily unavailable; the ranks "
+                           "started before it were stopped\n")
+
+
+def test_a_rank_started_after_the_resource_tracker_died_starts_with_sigint_blocked():
+    """``proc.start()`` restarts a dead resource tracker, which unblocks SIGINT: the rank started
+    then had SIGINT unblocked (a Ctrl-C while it imports torch: a KeyboardInterrupt traceback)."""
+    script = _SIGNAL_DURING_START.replace(
+        "    os.kill({target}, signal.{signum})   # the Ctrl-C comes in the moment a rank starts\n", ""
+    ).format(after="""\
+blocked = int(next(line for line in open(f"/proc/{self.pid}/status") if line.startswith("SigBlk")).split()[1], 16)
+    print(f"rank {rank}: SIGINT blocked: {bool(blocked & (1 << (signal.SIGINT - 1)))}", file=sys.stderr, flush=True)
+    import multiprocessing.resource_tracker as tracker
+    if rank == 0:   # the tracker dies between the starts of rank 0 and rank 1
+        os.kill(tracker._resource_tracker._pid, signal.SIGKILL)
+        os.waitpid(tracker._resource_tracker._pid, 0)""")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0: SIGINT blocked: True\n" in proc.stderr and "rank 1: SIGINT blocked: True\n" in proc.stderr, \
+        proc.stderr
 
 
 def test_a_rank_whose_peer_never_joins_says_so_in_one_line(tmp_path):

@@ -198,16 +198,20 @@ def _last_words_on_signal(rank: int) -> None:
     for signum in STOPPING:
         signal.signal(signum, lambda signum, frame: None)   # the wakeup fd does the work
 
+    def stopped(signum: signal.Signals) -> NoReturn:
+        _say_last_words(rank, f"the rank was stopped by {signum.name} at {where}")
+        _flush()
+        os._exit(128 + signum)
+
     def watch() -> None:
         came = b""   # the numbers of the signals that came, in the order they came
         while not any(signum in came for signum in STOPPING):
             came = os.read(read, 64)
-        signum = signal.Signals(next(n for n in came if n in STOPPING))
-        _say_last_words(rank, f"the rank was stopped by {signum.name} at {where}")
-        _flush()
-        os._exit(128 + signum)
+        stopped(signal.Signals(next(n for n in came if n in STOPPING)))
     threading.Thread(target=watch, daemon=True).start()   # (it inherits the block: signals go to the main thread)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPPING)    # what came while the rank started (``_start``)
+    if signal.SIGINT in signal.sigpending():   # it came while the rank started (``_start``): end here, before the
+        stopped(signal.SIGINT)                 # rank joins its peers (the thread would race it there)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPPING)
 
 
 class Watchdog:
@@ -336,8 +340,9 @@ def _start(proc) -> None:
     take while this one blocks it) is held and passed to this process's handler once the start has
     ended, even by an error: raised in the middle of the start, it would leave a rank reading half
     of what it was sent, with no pid to be stopped by. SIGTERM is not blocked, so that a rank still
-    importing torch can be stopped at once. multiprocessing's resource tracker is started before
-    (``launch``): starting it unblocks SIGINT."""
+    importing torch can be stopped at once. multiprocessing's resource tracker is made sure of first,
+    before the block: (re)starting it unblocks SIGINT, and ``proc.start()`` restarts it if it died."""
+    mp.resource_tracker.ensure_running()
     came: list = []   # (signal number, frame) of what came during the start
     handlers = {s: signal.signal(s, lambda signum, frame: came.append((signum, frame))) for s in STOPPING}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -362,8 +367,23 @@ class _Stop(Exception):
         self.signum = signum
 
 
-def _raise_stop(signum, frame):
-    raise _Stop(signum)
+class _Stops:
+    """The parent's SIGINT and SIGTERM handler while it starts and watches the ranks: the first
+    signal raises ``_Stop``, unless ``armed`` was cleared first; those that come after are kept in
+    ``late``. The clauses that stop the ranks clear ``armed`` as their first statement, so a second
+    signal cannot raise in the middle of the stopping, which would leave ranks running and show a
+    traceback."""
+
+    def __init__(self):
+        self.armed = True
+        self.late: list = []
+
+    def __call__(self, signum, frame) -> None:
+        if not self.armed:
+            self.late.append(signum)
+            return
+        self.armed = False
+        raise _Stop(signum)
 
 
 def _stop_all(procs, signum: int = signal.SIGTERM) -> list[int]:
@@ -422,17 +442,16 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
     ctx = mp.get_context("spawn")
     previous: dict = {}
     procs: list = []
+    stops = _Stops()
     try:
         for s in STOPPING:   # in the try: a SIGINT while SIGTERM's handler is set raises _Stop here
-            previous[s] = signal.signal(s, _raise_stop)
+            previous[s] = signal.signal(s, stops)
         with tempfile.TemporaryDirectory(prefix="sinkprof-") as folder:   # mode 0700: this user only
             store = os.path.join(folder, "store")
             procs = [ctx.Process(target=_spawned, args=(r, nproc, store, os.getpid(), job, args, device, backend,
                                                         timeout, run_timeout, config)) for r in range(nproc)]
             for r, p in enumerate(procs):
                 try:
-                    if r == 0:
-                        mp.resource_tracker.ensure_running()   # not in _start: starting it unblocks SIGINT
                     _start(p)
                 except OSError as exc:
                     what = ": ".join(str(x) for x in (exc.filename, exc.strerror or exc) if x)
@@ -440,21 +459,24 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
                                      + ("; the ranks started before it were stopped" if r else "")) from None
             stopped = _supervise(procs, run_timeout)
     except _Stop as stop:
-        for s in STOPPING:
-            signal.signal(s, signal.SIG_IGN)
+        stops.armed = False   # (first: a second signal must not end the stopping half-way)
         stopped = _stop_all([p for p in procs if p.pid is not None], stop.signum)
         name = signal.Signals(stop.signum).name
         print(f"sinkprof: stopped by {name}; ended rank(s) {', '.join(map(str, stopped)) or 'none'}",
               file=sys.stderr, flush=True)
         return 128 + stop.signum
     except BaseException:   # a rank that could not start: the started ones would wait for it until their timeout
-        for s in STOPPING:   # (a Ctrl-C now would end the stopping half-way, in a traceback)
-            signal.signal(s, signal.SIG_IGN)
+        stops.armed = False   # (a signal now is late: the run is being stopped already, and its error stands)
         _stop_all([p for p in procs if p.pid is not None])
         raise
     finally:
+        stops.armed = False
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING)   # what comes now waits for the handlers restored
         for s, handler in previous.items():
             signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if stops.late:   # the ranks ended, and a signal came as the handlers were being restored: the caller's now
+        signal.raise_signal(stops.late[0])
     if stopped:
         print(f"sinkprof: stopped rank(s) {', '.join(map(str, stopped))}, still running after the run failed",
               file=sys.stderr)
