@@ -133,11 +133,18 @@ def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
+HIDE_LAUNCH = False        # ``--launch hidden``: the GPU sleeps while the host launches each timed replay
+LAUNCH_COVER_CYCLES = 4_000_000   # ~2 ms of GPU clock: longer than any replay's launch measured (0.42 ms)
+
+
 def interleaved_ms(fns: dict, calls: int = 4, rounds: int = 25, graphed: bool = True,
                    ready: Optional[Callable] = None) -> dict:
-    """GPU milliseconds per call of each function: each one captured (so host launch cost and
-    gaps are out of the figure), then replayed in alternating order, round after round, so clock
-    and thermal drift hit every variant alike. Median and spread (max - min) over the rounds.
+    """GPU milliseconds per call of each function: each one captured, then replayed in alternating
+    order, round after round, so clock and thermal drift hit every variant alike. Median and spread
+    (max - min) over the rounds, and ``launch_us``, the host's median microseconds to launch a
+    round's replay (or its eager calls). Each round starts on an idle GPU: the figure holds the
+    time the GPU waits for the launch to reach its first kernel, unless ``HIDE_LAUNCH``, where a
+    GPU sleep issued first covers the launch, as the work before it would in a training step.
     ``graphed=False``: ``calls`` eager calls per round instead of a replay (launch cost included).
     ``ready``: called once every graph is captured, before the rounds (``Loopback.fill``)."""
     if graphed:
@@ -147,16 +154,22 @@ def interleaved_ms(fns: dict, calls: int = 4, rounds: int = 25, graphed: bool = 
     if ready is not None:
         ready()
     times = {name: [] for name in fns}
+    launch = {name: [] for name in fns}
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for r in range(rounds):
         for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            if HIDE_LAUNCH:
+                torch.cuda._sleep(LAUNCH_COVER_CYCLES)
             start.record()
+            t0 = time.perf_counter()
             runs[name]()
+            launch[name].append((time.perf_counter() - t0) * 1e6)
             stop.record()
             stop.synchronize()
             times[name].append(start.elapsed_time(stop) / calls)
     del runs
-    return {name: {"ms": statistics.median(t), "spread_ms": max(t) - min(t)} for name, t in times.items()}
+    return {name: {"ms": statistics.median(t), "spread_ms": max(t) - min(t),
+                   "launch_us": statistics.median(launch[name])} for name, t in times.items()}
 
 
 def eager_ms(fn, rounds: int = 15) -> dict:
@@ -580,6 +593,7 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
                            mask=mask, variant=variant,
                            rank=rank, flops=flops,
                            fwd_ms=timed[variant + " fwd"]["ms"], bwd_ms=timed[variant + " bwd"]["ms"],
+                           launch_us=[timed[variant + " fwd"]["launch_us"], timed[variant + " bwd"]["launch_us"]],
                            host_us_per_step_eager=host[variant], timing=timing)
                 if mono:
                     row["mono_ms"] = {n: timed[f"mono {n}"] for n in mono}
@@ -890,7 +904,8 @@ def _print_rows(rows: list, against: str) -> None:
                     f" {row['bwd_vs_fa4_mono_steps_standalone']:.3f})")
         print(f"{row['backend']:12s} {row['kv_schedule']:9s} {row['layout']:8s} {row['variant']:21s} rank {row['rank']}: "
               f"fwd {row['fwd_tflops']:6.1f} "
-              f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step")
+              f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step"
+              + (" | launch fwd / bwd {:.0f} / {:.0f} us".format(*row["launch_us"]) if "launch_us" in row else ""))
         print("    fwd / bwd ms per rank: " + ", ".join(f"{r}: {f:.3f} / {b:.3f}" for r, (f, b) in row["ranks_ms"].items()))
 
 
@@ -951,6 +966,9 @@ def parse_args(argv=None):
     ap.add_argument("--skip-tiles", action="store_true")
     ap.add_argument("--profile-step", action="store_true", help="print the kernels of one warm ring per config "
                     "and timed rank (learnable step0), by total time and one by one")
+    ap.add_argument("--launch", choices=("waited", "hidden"), default="waited",
+                    help="waited (as before the twenty-second session): each timed replay starts on an idle GPU, "
+                         "which waits for the host's launch; hidden: a GPU sleep issued first covers the launch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     try:
@@ -976,6 +994,8 @@ def main() -> None:
     args = parse_args()
     if args.fa4_full_window:
         fa4_module.FA4Tiles.forward = _forward_full_as_window(fa4_module.FA4Tiles.forward)
+    global HIDE_LAUNCH
+    HIDE_LAUNCH = args.launch == "hidden"
     if args.loopback_priority == "high":
         Loopback.PRIORITY = -100   # torch maps it to the highest the device has
     if args.run_rows is not None:   # every schedule made from here on joins its runs up to this many rows
@@ -984,7 +1004,7 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "backends": backends(),
               "fused sink kernels": fused.disabled_reason() or "on", "args": vars(args), "tiles": [], "rings": [],
               "packs": []}
-    print("backends:", report["backends"], "| fused sink kernels:", report["fused sink kernels"])
+    print("backends:", report["backends"], "| fused sink kernels:", report["fused sink kernels"], "| launch:", args.launch)
     if not args.skip_tiles:
         for label, (h, g, d), band in (("h32 d128 causal", CONFIGS["h32-d128"], Band(None, 0)),
                                        ("h32 d128 no_mask", CONFIGS["h32-d128"], Band()),
