@@ -10,7 +10,7 @@
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
-# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22 launch22
+# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22 launch22 launch22b
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -563,16 +563,18 @@ if [[ $what == *" chain22 "* ]]; then   # <= 300 s: do the loopback's chained co
   run ring_chain22 ${RING_S:-290} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4,8" --masks causal \
       --ring-backends fa4+null,fa4+comm,fa4+comm-concurrent --out "$OUT/ring_chain22.json"
 fi
-if [[ $what == *" launch22 "* ]]; then   # <= 330 s: the twenty-second session's profile ran the bare schedule's and
+if [[ $what == *" launch22 "* ]]; then   # <= 220 s: the twenty-second session's profile ran the bare schedule's and
   # the ring's forward graphs in the same 3.03 ms, while the timed rounds put the ring's 4 points lower; the ring's graph
   # took 417 us to launch, the bare one's 69: each timed round starts on an idle GPU, so its figure holds the launch.
   # The same rings with the launch waited for (as before) and hidden behind a GPU sleep, h16 cp 8 causal
   run ring_launch22_waited ${RING_S:-110} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" \
-      --masks causal --ring-backends fa4,fa4+null,fa4+comm --launch waited --out "$OUT/ring_launch22_waited.json"
+      --masks causal --ring-backends fa4,fa4+null --launch waited --out "$OUT/ring_launch22_waited.json"
   run ring_launch22_hidden ${RING_S:-110} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" \
-      --masks causal --ring-backends fa4,fa4+null,fa4+comm --launch hidden --out "$OUT/ring_launch22_hidden.json"
-  run ring_launch22_more ${RING_S:-110} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4" \
-      --masks causal --ring-backends fa4+null,fa4+comm --launch hidden --out "$OUT/ring_launch22_more.json"
+      --masks causal --ring-backends fa4,fa4+null --launch hidden --out "$OUT/ring_launch22_hidden.json"
+fi
+if [[ $what == *" launch22b "* ]]; then   # <= 220 s: the same with the launch hidden, over the loopback too and at cp 4
+  run ring_launch22b ${RING_S:-210} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4,8" \
+      --masks causal --ring-backends fa4+null,fa4+comm --launch hidden --out "$OUT/ring_launch22b.json"
 fi
 if [[ $what == *" prof21 "* ]]; then   # <= 300 s: where the loopback ring's forward loses 4-9 points against the bare
   # schedule at h16 d128 (twentieth session): the ring's own code with and without its messages profiled in one run
