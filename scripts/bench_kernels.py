@@ -118,19 +118,68 @@ def fa4_interface_or_exit(ap: argparse.ArgumentParser):
     return interface
 
 
-def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``calls`` back-to-back calls of ``fn``, warmed on a side stream first."""
+def capture(fn, calls: int, keep: bool = False) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` back-to-back calls of ``fn``, warmed on a side stream first.
+    ``keep``: the graph is kept beside its executable one (``graph_census`` reads it)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
+    if keep:
+        graph.instantiate()
     return graph
+
+
+# cudaGraphNodeType, by value (CUDA runtime API, driver_types.h)
+GRAPH_NODE_TYPES = ("kernel", "memcpy", "memset", "host", "child graph", "empty", "event wait", "event record",
+                    "semaphore signal", "semaphore wait", "mem alloc", "mem free", "batch mem op", "conditional")
+
+
+def census_text(counts: dict) -> str:
+    """``{node type: count}`` as one line, the most frequent type first: ``12 nodes: 7 kernel, ...``."""
+    total = sum(counts.values())
+    parts = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"{total} node{'s' if total != 1 else ''}" + (f": {parts}" if parts else "")
+
+
+def _cudart():
+    """The CUDA runtime library this process has loaded (torch's), through ctypes."""
+    import ctypes
+    with open("/proc/self/maps") as maps:
+        path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
+    if path is None:
+        raise RuntimeError("no libcudart.so is loaded in this process")
+    return ctypes.CDLL(path)
+
+
+def graph_census(graph: torch.cuda.CUDAGraph) -> dict:
+    """The nodes of ``graph`` (``capture(..., keep=True)``) by type: what its launch submits (a
+    kernel, a copy or a memset each, and the empty, event and other nodes a capture across
+    streams may leave), read through the CUDA runtime's ``cudaGraphGetNodes`` and
+    ``cudaGraphNodeGetType``."""
+    import ctypes
+    lib = _cudart()
+
+    def check(err: int, what: str) -> None:
+        if err != 0:
+            raise RuntimeError(f"{what} failed: cudaError {err}")
+    raw = ctypes.c_void_p(graph.raw_cuda_graph())
+    count = ctypes.c_size_t(0)
+    check(lib.cudaGraphGetNodes(raw, None, ctypes.byref(count)), "cudaGraphGetNodes")
+    nodes = (ctypes.c_void_p * count.value)()
+    check(lib.cudaGraphGetNodes(raw, nodes, ctypes.byref(count)), "cudaGraphGetNodes")
+    counts: dict = collections.Counter()
+    for node in nodes[:count.value]:
+        kind = ctypes.c_int(-1)
+        check(lib.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "cudaGraphNodeGetType")
+        counts[GRAPH_NODE_TYPES[kind.value] if 0 <= kind.value < len(GRAPH_NODE_TYPES) else f"type {kind.value}"] += 1
+    return dict(counts)
 
 
 HIDE_LAUNCH = False        # ``--launch hidden``: the GPU sleeps while the host launches each timed replay
@@ -819,18 +868,27 @@ def pack_bench(cp: int, h: int, g: int, d: int, docs: list, profile: bool, names
 
 def _profile_step(title: str, fwd, bwd, ready: Optional[Callable] = None) -> None:
     """Where one warm ring's time goes: a CUDA graph of its forward and one of its backward (as
-    the timings replay them: no host gaps), each replayed once under the profiler; per phase the
-    kernels by total time, then one by one in the order they started (microseconds from the
-    first; the gap since the previous kernel of any stream ended; the CUDA stream), and a summary
-    (``timeline``). Eagerly issued calls instead where a capture fails or the profiler sees no
-    kernel of a graph. ``ready``: called once both are captured (``Loopback.fill``)."""
+    the timings replay them), each replayed once under the profiler (the graph's first replay,
+    which also uploads it). Per phase: the graph's nodes by type (``graph_census``: what its
+    launch submits); the kernels by total time, with the host's calls (``cudaGraphLaunch``); then
+    one by one in the order they started (microseconds from the first; the gap since the previous
+    kernel of any stream ended; the CUDA stream); and a summary (``timeline``). Eagerly issued
+    calls instead where a capture fails or the profiler sees no kernel of a graph. ``ready``:
+    called once both are captured (``Loopback.fill``)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     eager = {"fwd": fwd, "bwd": bwd}
+    censuses = {}
     try:
-        runs, how = {"fwd": capture(fwd, 1).replay, "bwd": capture(bwd, 1).replay}, "graphed"
+        graphs = {"fwd": capture(fwd, 1, keep=True), "bwd": capture(bwd, 1, keep=True)}
+        runs, how = {phase: g.replay for phase, g in graphs.items()}, "graphed"
         if ready is not None:
             ready()
+        for phase, g in graphs.items():
+            try:
+                censuses[phase] = census_text(graph_census(g))
+            except (RuntimeError, OSError, AttributeError) as exc:   # (no runtime found, a torch without raw graphs)
+                censuses[phase] = f"no census: {str(exc)[:200]}"
     except RuntimeError as exc:
         print(f"warning: CUDA graph capture failed ({str(exc)[:200]}); profiling eager calls")
         runs, how = eager, "eager"
@@ -847,6 +905,8 @@ def _profile_step(title: str, fwd, bwd, ready: Optional[Callable] = None) -> Non
             print(f"warning: the profiler saw no kernel of the {phase} graph; profiling eager calls")
             runs, how = eager, "eager"
         print(f"\n## kernels of one warm ring, {title}, {phase} ({how})")
+        if how == "graphed" and phase in censuses:
+            print(f"graph: {censuses[phase]}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
         print(timeline(kernels))
 

@@ -10,7 +10,7 @@
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
-# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22 launch22 launch22b
+# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22 launch22 launch22b census23
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -575,6 +575,13 @@ fi
 if [[ $what == *" launch22b "* ]]; then   # <= 220 s: the same with the launch hidden, over the loopback too and at cp 4
   run ring_launch22b ${RING_S:-210} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4,8" \
       --masks causal --ring-backends fa4+null,fa4+comm --launch hidden --out "$OUT/ring_launch22b.json"
+fi
+if [[ $what == *" census23 "* ]]; then   # <= 200 s: what each graph's launch submits (graph_census, new after the
+  # twenty-second session's last GPU run): its test, then the bare schedule's and the ring's graphs at h16 cp 8 causal,
+  # nodes by type beside their kernels and launch times
+  run census_test23 ${TESTS_S:-60} python3 -m pytest -q -p no:cacheprovider tests/test_bench_pack.py -k census
+  run ring_census23 ${RING_S:-130} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" --masks causal \
+      --ring-backends fa4,fa4+null --profile-step --launch hidden --out "$OUT/ring_census23.json"
 fi
 if [[ $what == *" prof21 "* ]]; then   # <= 300 s: where the loopback ring's forward loses 4-9 points against the bare
   # schedule at h16 d128 (twentieth session): the ring's own code with and without its messages profiled in one run

@@ -488,3 +488,29 @@ def test_the_layout_and_copy_probes_usage_errors_name_the_option_and_exit_2(scri
     done = subprocess.run([sys.executable, str(SCRIPT.parent / script), *argv], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_graph_census_reads_as_one_line_the_most_frequent_type_first(bk):
+    assert bk.census_text({"kernel": 7, "event record": 3, "empty": 3, "memcpy": 1}) == \
+        "14 nodes: 7 kernel, 3 empty, 3 event record, 1 memcpy"
+    assert bk.census_text({"kernel": 1}) == "1 node: 1 kernel"
+    assert bk.census_text({}) == "0 nodes"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_graph_census_counts_the_nodes_a_capture_made_and_the_kept_graph_replays(bk):
+    x = torch.zeros(1024, device="cuda")
+    y = torch.empty_like(x)
+
+    def fn():
+        for _ in range(3):
+            x.add_(1)
+        y.copy_(x)
+    graph = bk.capture(fn, 1, keep=True)   # (its warm-up added 2 x 3 to x)
+    counts = bk.graph_census(graph)
+    assert counts.get("kernel", 0) + counts.get("memcpy", 0) == 4 and counts.get("kernel", 0) >= 3, counts
+    x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert y.eq(3).all() and x.eq(3).all()
