@@ -32,8 +32,9 @@ stream of their own, so only the link is missing. ``fa4+null`` runs the same cod
 moved (its received buffers filled once with normal values after the capture): the ring's own code
 without communication, the issue's measure for the backward too, where the bare schedule adds each
 step's dK/dV into fp32 per owner as the ring does not. ``fa4+comm-concurrent`` issues every copy on
-a stream of its own, all at once, as one NCCL launch would move a post's tensors: over the plain
-loopback, the copies after a post's first wait behind the compute call issued after them. Both run under each K/V schedule of
+a stream of its own, all at once, as one NCCL launch would move a post's tensors (over the plain
+loopback, the copies after a post's first wait behind the compute call issued after them; the
+twenty-second session found the two alike within a cell's spread). Both run under each K/V schedule of
 ``--kv-schedules`` (default ``direct``: what ``cp_attention``'s ``auto`` takes for these shapes).
 
 Packs (issue 15's target: the slowest rank's ring on a 64k pack of documents of 2k-16k tokens at
