@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -151,7 +152,6 @@ def census_text(counts: dict) -> str:
 
 def _cudart():
     """The CUDA runtime library this process has loaded (torch's), through ctypes."""
-    import ctypes
     with open("/proc/self/maps") as maps:
         path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
     if path is None:
@@ -164,7 +164,6 @@ def graph_census(graph: torch.cuda.CUDAGraph) -> dict:
     kernel, a copy or a memset each, and the empty, event and other nodes a capture across
     streams may leave), read through the CUDA runtime's ``cudaGraphGetNodes`` and
     ``cudaGraphNodeGetType``."""
-    import ctypes
     lib = _cudart()
 
     def check(err: int, what: str) -> None:

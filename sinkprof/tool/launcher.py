@@ -458,8 +458,7 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
                     raise StartError(f"rank {r} of {nproc} could not be started: {what}"
                                      + ("; the ranks started before it were stopped" if r else "")) from None
             stopped = _supervise(procs, run_timeout)
-    except _Stop as stop:
-        stops.armed = False   # (first: a second signal must not end the stopping half-way)
+    except _Stop as stop:   # (``stops`` disarmed itself: a second signal cannot end the stopping half-way)
         stopped = _stop_all([p for p in procs if p.pid is not None], stop.signum)
         name = signal.Signals(stop.signum).name
         print(f"sinkprof: stopped by {name}; ended rank(s) {', '.join(map(str, stopped)) or 'none'}",
