@@ -184,21 +184,27 @@ def graph_census(graph: torch.cuda.CUDAGraph) -> dict:
 
 HIDE_LAUNCH = False        # ``--launch hidden``: the GPU sleeps while the host launches each timed replay
 LAUNCH_COVER_CYCLES = 4_000_000   # ~2 ms of GPU clock: longer than any replay's launch measured (0.42 ms)
+FIXED_ROUNDS = False       # ``--rounds fixed``: every replay holds the same number of calls
 
 
 def interleaved_ms(fns: dict, calls: int = 4, rounds: int = 25, graphed: bool = True,
                    ready: Optional[Callable] = None) -> dict:
     """GPU milliseconds per call of each function: each one captured, then replayed in alternating
     order, round after round, so clock and thermal drift hit every variant alike. Median and spread
-    (max - min) over the rounds, and ``launch_us``, the host's median microseconds to launch a
+    (max - min) over the rounds, ``launch_us``, the host's median microseconds to launch a
     round's replay (or its eager calls). Each round starts on an idle GPU: the figure holds the
     time the GPU waits for the launch to reach its first kernel, unless ``HIDE_LAUNCH``, where a
     GPU sleep issued first covers the launch, as the work before it would in a training step.
     ``graphed=False``: ``calls`` eager calls per round instead of a replay (launch cost included).
+    Graphed, unless ``FIXED_ROUNDS``, a shorter function's replay holds more calls (``round_calls``),
+    so that every round keeps the GPU busy about as long, and the GPU's rest between rounds (the
+    host's sync, the launch sleep) weighs alike on each figure.
     ``ready``: called once every graph is captured, before the rounds (``Loopback.fill``)."""
     if graphed:
-        runs = {name: capture(fn, calls).replay for name, fn in fns.items()}
+        per = dict.fromkeys(fns, calls) if FIXED_ROUNDS else round_calls(fns, calls)
+        runs = {name: capture(fn, per[name]).replay for name, fn in fns.items()}
     else:
+        per = dict.fromkeys(fns, calls)
         runs = {name: (lambda fn=fn: [fn() for _ in range(calls)]) for name, fn in fns.items()}
     if ready is not None:
         ready()
@@ -215,10 +221,22 @@ def interleaved_ms(fns: dict, calls: int = 4, rounds: int = 25, graphed: bool = 
             launch[name].append((time.perf_counter() - t0) * 1e6)
             stop.record()
             stop.synchronize()
-            times[name].append(start.elapsed_time(stop) / calls)
+            times[name].append(start.elapsed_time(stop) / per[name])
     del runs
     return {name: {"ms": statistics.median(t), "spread_ms": max(t) - min(t),
-                   "launch_us": statistics.median(launch[name])} for name, t in times.items()}
+                   "launch_us": statistics.median(launch[name]), "calls": per[name]} for name, t in times.items()}
+
+
+ROUND_CALLS_MAX = 64   # calls in one replay at most (a short tile beside a long monolithic call)
+
+
+def round_calls(fns: dict, calls: int) -> dict:
+    """Calls per replay of each function: ``calls`` for the longest (timed eagerly, after a warm-up
+    call), more for a shorter one, so that its replay takes about as long (at most
+    ``ROUND_CALLS_MAX``)."""
+    once = {name: eager_ms(fn, rounds=3)["ms"] for name, fn in fns.items()}
+    longest = max(once.values())
+    return {name: min(ROUND_CALLS_MAX, max(calls, round(calls * longest / ms))) for name, ms in once.items()}
 
 
 def eager_ms(fn, rounds: int = 15) -> dict:
@@ -643,6 +661,7 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
                            rank=rank, flops=flops,
                            fwd_ms=timed[variant + " fwd"]["ms"], bwd_ms=timed[variant + " bwd"]["ms"],
                            launch_us=[timed[variant + " fwd"]["launch_us"], timed[variant + " bwd"]["launch_us"]],
+                           calls_per_replay=[timed[variant + " fwd"].get("calls"), timed[variant + " bwd"].get("calls")],
                            host_us_per_step_eager=host[variant], timing=timing)
                 if mono:
                     row["mono_ms"] = {n: timed[f"mono {n}"] for n in mono}
@@ -965,7 +984,8 @@ def _print_rows(rows: list, against: str) -> None:
         print(f"{row['backend']:12s} {row['kv_schedule']:9s} {row['layout']:8s} {row['variant']:21s} rank {row['rank']}: "
               f"fwd {row['fwd_tflops']:6.1f} "
               f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step"
-              + (" | launch fwd / bwd {:.0f} / {:.0f} us".format(*row["launch_us"]) if "launch_us" in row else ""))
+              + (" | launch fwd / bwd {:.0f} / {:.0f} us".format(*row["launch_us"]) if "launch_us" in row else "")
+              + (" ({} / {} calls a replay)".format(*row["calls_per_replay"]) if "calls_per_replay" in row else ""))
         print("    fwd / bwd ms per rank: " + ", ".join(f"{r}: {f:.3f} / {b:.3f}" for r, (f, b) in row["ranks_ms"].items()))
 
 
@@ -1029,6 +1049,9 @@ def parse_args(argv=None):
     ap.add_argument("--launch", choices=("waited", "hidden"), default="waited",
                     help="waited (as before the twenty-second session): each timed replay starts on an idle GPU, "
                          "which waits for the host's launch; hidden: a GPU sleep issued first covers the launch")
+    ap.add_argument("--rounds", choices=("equal", "fixed"), default="equal",
+                    help="equal: a shorter function's replay holds more calls, so that every timed round keeps "
+                         "the GPU about as busy; fixed (as before the twenty-third session): the same number of calls")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     try:
@@ -1054,8 +1077,9 @@ def main() -> None:
     args = parse_args()
     if args.fa4_full_window:
         fa4_module.FA4Tiles.forward = _forward_full_as_window(fa4_module.FA4Tiles.forward)
-    global HIDE_LAUNCH
+    global HIDE_LAUNCH, FIXED_ROUNDS
     HIDE_LAUNCH = args.launch == "hidden"
+    FIXED_ROUNDS = args.rounds == "fixed"
     if args.loopback_priority == "high":
         Loopback.PRIORITY = -100   # torch maps it to the highest the device has
     if args.run_rows is not None:   # every schedule made from here on joins its runs up to this many rows

@@ -514,3 +514,10 @@ def test_a_graph_census_counts_the_nodes_a_capture_made_and_the_kept_graph_repla
     graph.replay()
     torch.cuda.synchronize()
     assert y.eq(3).all() and x.eq(3).all()
+
+
+def test_a_shorter_functions_replay_holds_more_calls_so_every_round_is_as_long(bk, monkeypatch):
+    times = {"mono": 25.0, "ring": 3.1, "tile": 0.05, "twin": 24.0}
+    monkeypatch.setattr(bk, "eager_ms", lambda fn, rounds=15: {"ms": times[fn()], "spread_ms": 0.0})
+    per = bk.round_calls({name: (lambda name=name: name) for name in times}, 2)
+    assert per == {"mono": 2, "ring": 16, "tile": bk.ROUND_CALLS_MAX, "twin": 2}
