@@ -10,7 +10,7 @@
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
-# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22 launch22 launch22b census23 rounds23 table23 table23g
+# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22 launch22 launch22b census23 rounds23 causal23 table23 table23g
 # (default: tests check window scale bench).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
@@ -586,10 +586,15 @@ fi
 if [[ $what == *" rounds23 "* ]]; then   # <= 2 x 200 s: the twenty-third session's rings ran 8% faster with the launch
   # hidden by a 2 ms GPU sleep before each round (FA4's monolithic call 2%): the launch, or the rest the sleep gives a
   # short round? With every round as long (--rounds equal), the launch waited for and hidden, h16 cp 8 causal
-  run ring_rounds23_hidden ${RING_S:-200} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" \
+  run ring_rounds23_hidden ${RING_S:-170} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" \
       --masks causal --ring-backends fa4+null --launch hidden --rounds equal --out "$OUT/ring_rounds23_hidden.json"
-  run ring_rounds23_waited ${RING_S:-200} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" \
+  run ring_rounds23_waited ${RING_S:-120} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" \
       --masks causal --ring-backends fa4+null --launch waited --rounds equal --out "$OUT/ring_rounds23_waited.json"
+fi
+if [[ $what == *" causal23 "* ]]; then   # <= 230 s: h16 cp 2 and 4 causal, the ring's own code with and without messages,
+  # rounds as long, launch hidden (after rounds23 on a machine with little time left)
+  run ring_causal23 ${RING_S:-230} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4" --masks causal \
+      --ring-backends fa4+null,fa4+comm --launch hidden --out "$OUT/ring_causal23.json"
 fi
 for cfg in h16-d128 gpt-oss; do   # <= 2 x 275 s each: issue 11's table with the launch hidden (the twenty-third
   # session found the ring's own code at 1.00-1.02x FA4 monolithic at h16 cp 8 causal once its graph's launch was hidden
