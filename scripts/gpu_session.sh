@@ -586,10 +586,15 @@ fi
 if [[ $what == *" rounds23 "* ]]; then   # <= 2 x 200 s: the twenty-third session's rings ran 8% faster with the launch
   # hidden by a 2 ms GPU sleep before each round (FA4's monolithic call 2%): the launch, or the rest the sleep gives a
   # short round? With every round as long (--rounds equal), the launch waited for and hidden, h16 cp 8 causal
+  # the SM clock, power and throttle reasons every 200 ms beside both runs (read only)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+      --format=csv -lms 200 > "$OUT/smi_rounds23.csv" 2>&1 &
+  smi=$!
   run ring_rounds23_hidden ${RING_S:-170} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" \
       --masks causal --ring-backends fa4+null --launch hidden --rounds equal --out "$OUT/ring_rounds23_hidden.json"
   run ring_rounds23_waited ${RING_S:-120} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" \
       --masks causal --ring-backends fa4+null --launch waited --rounds equal --out "$OUT/ring_rounds23_waited.json"
+  kill $smi
 fi
 if [[ $what == *" causal23 "* ]]; then   # <= 230 s: h16 cp 2 and 4 causal, the ring's own code with and without messages,
   # rounds as long, launch hidden (after rounds23 on a machine with little time left)
