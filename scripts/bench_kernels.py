@@ -48,7 +48,11 @@ pairs. ``pack_setup`` builds the pack, its plans and shards on any device (the C
 
 GPU times come from CUDA graph replays of each variant, alternated round after round: launch
 cost stays out of the kernel figures, and clock drift hits every variant alike (plain repeated
-runs of one kernel differed by up to 10% on the H200 of this workplace).
+runs of one kernel differed by up to 10% on the H200 of this workplace). Each replay keeps the GPU
+about as long busy (``--rounds equal``): a shorter variant's holds more calls. FA4 runs these
+GPUs at their power limit (an H100 at 697 W, its SM clock 1245-1980 MHz, throttled by the power
+cap in 98% of its busy samples, twenty-third session), so a GPU rested between rounds starts the
+next one at a higher clock, and the rest must weigh alike on every figure.
 """
 from __future__ import annotations
 
@@ -198,7 +202,9 @@ def interleaved_ms(fns: dict, calls: int = 4, rounds: int = 25, graphed: bool = 
     ``graphed=False``: ``calls`` eager calls per round instead of a replay (launch cost included).
     Graphed, unless ``FIXED_ROUNDS``, a shorter function's replay holds more calls (``round_calls``),
     so that every round keeps the GPU busy about as long, and the GPU's rest between rounds (the
-    host's sync, the launch sleep) weighs alike on each figure.
+    host's sync, the launch sleep) weighs alike on each figure: with two calls a replay, the launch
+    sleep sped an 8-rank ring's 6 ms rounds by 8% and FA4's 50 ms monolithic ones by 2%; with
+    rounds as long, by under 1% both (twenty-third session).
     ``ready``: called once every graph is captured, before the rounds (``Loopback.fill``)."""
     if graphed:
         per = dict.fromkeys(fns, calls) if FIXED_ROUNDS else round_calls(fns, calls)
