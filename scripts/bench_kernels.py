@@ -576,9 +576,11 @@ def shape_key(n_q: int, n_kv: int, band: Band) -> str:
     return f"tile {n_q}x{n_kv} {band}"
 
 
-def _timed(fns: dict, calls: int = 2, rounds: int = 15, ready: Optional[Callable] = None) -> tuple[dict, str]:
+def _timed(fns: dict, calls: int = 1, rounds: int = 15, ready: Optional[Callable] = None) -> tuple[dict, str]:
     """``interleaved_ms`` from CUDA graphs, or issued eagerly when a capture fails (said, and
-    returned as the timing used)."""
+    returned as the timing used). One call a replay for the longest function (FA4's monolithic
+    backward): under equal rounds every other replay holds as much GPU time, tens of calls for a
+    rank's ring at cp 8."""
     try:
         return interleaved_ms(fns, calls, rounds, ready=ready), "graphs"
     except RuntimeError as exc:
@@ -733,7 +735,7 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
             key = shape_key(n_q, n_kv, tile_band)
             mono[f"{key} fwd"], mono[f"{key} bwd"] = fa4_direct(_rand(gen, b, n_q, h, d), _rand(gen, b, n_kv, g, d),
                                                                 _rand(gen, b, n_kv, g, d), tile_band, None, d ** -0.5)
-    mono_ms = interleaved_ms(mono, calls=2, rounds=15)
+    mono_ms = interleaved_ms(mono, calls=1, rounds=15)
     ks = [shard(k, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]
     vs = [shard(v, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]
     def shards(rank):
@@ -1057,7 +1059,8 @@ def parse_args(argv=None):
                          "which waits for the host's launch; hidden: a GPU sleep issued first covers the launch")
     ap.add_argument("--rounds", choices=("equal", "fixed"), default="equal",
                     help="equal: a shorter function's replay holds more calls, so that every timed round keeps "
-                         "the GPU about as busy; fixed (as before the twenty-third session): the same number of calls")
+                         "the GPU about as busy; fixed: every replay holds as many calls as the longest function's "
+                         "(the ring benchmarks: one; before the twenty-third session they held two)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     try:

@@ -11,7 +11,9 @@
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
 # session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22 launch22 launch22b census23 rounds23 causal23 table23 table23g
-# (default: tests check window scale bench).
+# (default: tests check window scale bench). Any ring cell as a step of its own, so that a call holds what its time
+# allows: ring:CONFIG:CPS:MASKS:BACKENDS (scripts/bench_kernels.py's --rings, --masks and --ring-backends; the
+# launch hidden, rounds equal), e.g. ring:gpt-oss:8:causal:fa4+null,fa4+comm; its seconds: RING_S (default 270).
 # session3 and pack are one device call each, pack after session3 on the same warm machine (FA4's compile cache
 # on disk then holds the gpt-oss bf16 sink kernels the prediction compiled). Each step's log lands in $OUT (at most 8 files
 # come back, so the step logs are also packed into $OUT/results.tgz).
@@ -611,6 +613,13 @@ for cfg in h16-d128 gpt-oss; do   # <= 2 x 275 s each: issue 11's table with the
     run ring_${step}_cp8 ${RING_S:-275} python3 scripts/bench_kernels.py --skip-tiles --rings "$cfg:8" \
         --masks causal,no_mask --ring-backends fa4+null,fa4+comm --launch hidden --out "$OUT/ring_${step}_cp8.json"
   fi
+done
+for cell in $what; do   # ring:CONFIG:CPS:MASKS:BACKENDS
+  [[ $cell == ring:* ]] || continue
+  IFS=: read -r _ cfg cps masks backends <<< "$cell"
+  name="ring_${cfg}_${cps//,/-}_${masks//,/-}_${backends//[,+]/-}"
+  run "$name" ${RING_S:-270} python3 scripts/bench_kernels.py --skip-tiles --rings "$cfg:$cps" --masks "$masks" \
+      --ring-backends "$backends" --launch hidden --out "$OUT/$name.json"
 done
 if [[ $what == *" prof21 "* ]]; then   # <= 300 s: where the loopback ring's forward loses 4-9 points against the bare
   # schedule at h16 d128 (twentieth session): the ring's own code with and without its messages profiled in one run
