@@ -715,7 +715,7 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
     total = 4 * b * h * d * band.count(s, s)
     ranks = sorted({0, cp // 2, cp - 1})
     schedules = {kind: CommSchedule(kind, cp, s // (2 * cp), band) for kind in kinds}
-    mono, calls = {}, {}
+    mono, calls, shapes = {}, {}, set()
     if "fa4" in backends():
         for tag, a in (("vanilla", None), ("learnable", sink)):
             mono[f"fa4 {tag} fwd"], mono[f"fa4 {tag} bwd"] = fa4_direct(q, k, v, band, a, d ** -0.5)
@@ -736,6 +736,13 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
             mono[f"{key} fwd"], mono[f"{key} bwd"] = fa4_direct(_rand(gen, b, n_q, h, d), _rand(gen, b, n_kv, g, d),
                                                                 _rand(gen, b, n_kv, g, d), tile_band, None, d ** -0.5)
     mono_ms = interleaved_ms(mono, calls=1, rounds=15)
+    shape_rates = {}   # each standalone call shape's fwd / bwd rate against the monolithic call's
+    for n_q, n_kv, tile_band in sorted(shapes, key=str):
+        key = shape_key(n_q, n_kv, tile_band)
+        flops = 4 * b * h * d * tile_band.count(n_q, n_kv)
+        shape_rates[key] = [mono_ms[f"fa4 vanilla {phase}"]["ms"] * flops / total / mono_ms[f"{key} {phase}"]["ms"]
+                            for phase in ("fwd", "bwd")]
+        print(f"{key}: FA4 standalone fwd / bwd {shape_rates[key][0]:.3f} / {shape_rates[key][1]:.3f} of monolithic")
     ks = [shard(k, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]
     vs = [shard(v, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]
     def shards(rank):
@@ -749,7 +756,8 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
     if calls:
         rows = with_standalone_calls(rows, calls, total, mono_ms)
         rows = with_standalone_calls(rows, steps, total, mono_ms, "steps")
-    return {"cp": cp, "shape": dict(b=b, h=h, g=g, s=s, d=d), "mask": mask, "rows": rows}
+    return {"cp": cp, "shape": dict(b=b, h=h, g=g, s=s, d=d), "mask": mask, "rows": rows,
+            "call_shapes_vs_fa4_mono": shape_rates}
 
 
 PACK_MASK = "causal"
