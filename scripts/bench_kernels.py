@@ -51,8 +51,8 @@ cost stays out of the kernel figures, and clock drift hits every variant alike (
 runs of one kernel differed by up to 10% on the H200 of this workplace). Each replay keeps the GPU
 about as long busy (``--rounds equal``): a shorter variant's holds more calls. FA4 runs these
 GPUs at their power limit (an H100 at 697 W, its SM clock 1245-1980 MHz, throttled by the power
-cap in 98% of its busy samples, twenty-third session), so a GPU rested between rounds starts the
-next one at a higher clock, and the rest must weigh alike on every figure.
+cap in 98% of its busy samples, twenty-third session), so a GPU rested between rounds can start
+the next one at a higher clock, and any rest must weigh alike on every figure.
 """
 from __future__ import annotations
 
@@ -186,7 +186,8 @@ def graph_census(graph: torch.cuda.CUDAGraph) -> dict:
     return dict(counts)
 
 
-HIDE_LAUNCH = False        # ``--launch hidden``: the GPU sleeps while the host launches each timed replay
+LAUNCH = "waited"          # ``--launch``: waited, hidden (a GPU sleep covers each timed replay's launch) or rested
+REST_S = 0.002             # ``--launch rested``: the host waits this long before each timed replay, the GPU idle
 LAUNCH_COVER_CYCLES = 4_000_000   # ~2 ms of GPU clock: longer than any replay's launch measured (0.42 ms)
 FIXED_ROUNDS = False       # ``--rounds fixed``: every replay holds the same number of calls
 
@@ -196,21 +197,31 @@ def interleaved_ms(fns: dict, calls: int = 4, rounds: int = 25, graphed: bool = 
     """GPU milliseconds per call of each function: each one captured, then replayed in alternating
     order, round after round, so clock and thermal drift hit every variant alike. Median and spread
     (max - min) over the rounds, ``launch_us``, the host's median microseconds to launch a
-    round's replay (or its eager calls). Each round starts on an idle GPU: the figure holds the
-    time the GPU waits for the launch to reach its first kernel, unless ``HIDE_LAUNCH``, where a
-    GPU sleep issued first covers the launch, as the work before it would in a training step.
+    round's replay (or its eager calls), and ``calls`` a round. Each round starts on an idle GPU
+    (``LAUNCH`` waited): the figure holds the time the GPU waits for the launch to reach its first
+    kernel. ``hidden``: a GPU sleep issued first covers the launch, as the work before it would in
+    a training step; ``rested``: the GPU rests as long first, the launch not hidden.
     ``graphed=False``: ``calls`` eager calls per round instead of a replay (launch cost included).
     Graphed, unless ``FIXED_ROUNDS``, a shorter function's replay holds more calls (``round_calls``),
-    so that every round keeps the GPU busy about as long, and the GPU's rest between rounds (the
+    so that every round keeps the GPU busy about as long, and any rest between rounds (the
     host's sync, the launch sleep) weighs alike on each figure: with two calls a replay, the launch
     sleep sped an 8-rank ring's 6 ms rounds by 8% and FA4's 50 ms monolithic ones by 2%; with
     rounds as long, by under 1% both (twenty-third session).
     ``ready``: called once every graph is captured, before the rounds (``Loopback.fill``)."""
+    per = dict.fromkeys(fns, calls)
     if graphed:
-        per = dict.fromkeys(fns, calls) if FIXED_ROUNDS else round_calls(fns, calls)
-        runs = {name: capture(fn, per[name]).replay for name, fn in fns.items()}
+        graphs = {name: capture(fn, calls) for name, fn in fns.items()}
+        if not FIXED_ROUNDS:
+            if ready is not None:
+                ready()
+            per = round_calls({name: replay_ms(g) / calls for name, g in graphs.items()}, calls)
+            for name, n in per.items():
+                if n != calls:
+                    graphs[name] = None   # (its memory back before the longer capture)
+                    graphs[name] = capture(fns[name], n)
+        runs = {name: g.replay for name, g in graphs.items()}
+        del graphs
     else:
-        per = dict.fromkeys(fns, calls)
         runs = {name: (lambda fn=fn: [fn() for _ in range(calls)]) for name, fn in fns.items()}
     if ready is not None:
         ready()
@@ -219,8 +230,10 @@ def interleaved_ms(fns: dict, calls: int = 4, rounds: int = 25, graphed: bool = 
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for r in range(rounds):
         for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
-            if HIDE_LAUNCH:
+            if LAUNCH == "hidden":
                 torch.cuda._sleep(LAUNCH_COVER_CYCLES)
+            elif LAUNCH == "rested":
+                time.sleep(REST_S)
             start.record()
             t0 = time.perf_counter()
             runs[name]()
@@ -233,16 +246,29 @@ def interleaved_ms(fns: dict, calls: int = 4, rounds: int = 25, graphed: bool = 
                    "launch_us": statistics.median(launch[name]), "calls": per[name]} for name, t in times.items()}
 
 
-ROUND_CALLS_MAX = 64   # calls in one replay at most (a short tile beside a long monolithic call)
+ROUND_MS = 50.0          # a round's GPU time at least, under equal rounds
+ROUND_CALLS_MAX = 256    # calls in one replay at most (a short tile beside a long monolithic call)
 
 
-def round_calls(fns: dict, calls: int) -> dict:
-    """Calls per replay of each function: ``calls`` for the longest (timed eagerly, after a warm-up
-    call), more for a shorter one, so that its replay takes about as long (at most
-    ``ROUND_CALLS_MAX``)."""
-    once = {name: eager_ms(fn, rounds=3)["ms"] for name, fn in fns.items()}
-    longest = max(once.values())
-    return {name: min(ROUND_CALLS_MAX, max(calls, round(calls * longest / ms))) for name, ms in once.items()}
+def round_calls(call_ms: dict, calls: int) -> dict:
+    """Calls per replay of each function (name -> GPU ms of one call) so that every replay takes
+    about as long: ``calls`` of the longest, or ``ROUND_MS`` if that is longer; at least ``calls``,
+    at most ``ROUND_CALLS_MAX``."""
+    if not call_ms:
+        return {}
+    target = max(calls * max(call_ms.values()), ROUND_MS)
+    return {name: min(ROUND_CALLS_MAX, max(calls, round(target / max(ms, 1e-3)))) for name, ms in call_ms.items()}
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """GPU milliseconds of one replay, after a warm one."""
+    graph.replay()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop)
 
 
 def eager_ms(fn, rounds: int = 15) -> dict:
@@ -579,8 +605,8 @@ def shape_key(n_q: int, n_kv: int, band: Band) -> str:
 def _timed(fns: dict, calls: int = 1, rounds: int = 15, ready: Optional[Callable] = None) -> tuple[dict, str]:
     """``interleaved_ms`` from CUDA graphs, or issued eagerly when a capture fails (said, and
     returned as the timing used). One call a replay for the longest function (FA4's monolithic
-    backward): under equal rounds every other replay holds as much GPU time, tens of calls for a
-    rank's ring at cp 8."""
+    backward): under equal rounds every other replay holds as much GPU time (at h16 cp 8, about 8
+    backward and 21 forward calls of a rank's ring)."""
     try:
         return interleaved_ms(fns, calls, rounds, ready=ready), "graphs"
     except RuntimeError as exc:
@@ -669,7 +695,7 @@ def slowest_rank(names: list, schedule: CommSchedule, ranks, shards, ks, vs, sin
                            rank=rank, flops=flops,
                            fwd_ms=timed[variant + " fwd"]["ms"], bwd_ms=timed[variant + " bwd"]["ms"],
                            launch_us=[timed[variant + " fwd"]["launch_us"], timed[variant + " bwd"]["launch_us"]],
-                           calls_per_replay=[timed[variant + " fwd"].get("calls"), timed[variant + " bwd"].get("calls")],
+                           calls_per_replay=[timed[variant + " fwd"]["calls"], timed[variant + " bwd"]["calls"]],
                            host_us_per_step_eager=host[variant], timing=timing)
                 if mono:
                     row["mono_ms"] = {n: timed[f"mono {n}"] for n in mono}
@@ -1000,8 +1026,8 @@ def _print_rows(rows: list, against: str) -> None:
         print(f"{row['backend']:12s} {row['kv_schedule']:9s} {row['layout']:8s} {row['variant']:21s} rank {row['rank']}: "
               f"fwd {row['fwd_tflops']:6.1f} "
               f"bwd {row['bwd_tflops']:6.1f}{eff} | host {row['host_us_per_step_eager']:6.1f} us/step"
-              + (" | launch fwd / bwd {:.0f} / {:.0f} us".format(*row["launch_us"]) if "launch_us" in row else "")
-              + (" ({} / {} calls a replay)".format(*row["calls_per_replay"]) if "calls_per_replay" in row else ""))
+              + " | launch fwd / bwd {:.0f} / {:.0f} us".format(*row["launch_us"])
+              + " ({} / {} calls a replay)".format(*row["calls_per_replay"]))
         print("    fwd / bwd ms per rank: " + ", ".join(f"{r}: {f:.3f} / {b:.3f}" for r, (f, b) in row["ranks_ms"].items()))
 
 
@@ -1062,9 +1088,10 @@ def parse_args(argv=None):
     ap.add_argument("--skip-tiles", action="store_true")
     ap.add_argument("--profile-step", action="store_true", help="print the kernels of one warm ring per config "
                     "and timed rank (learnable step0), by total time and one by one")
-    ap.add_argument("--launch", choices=("waited", "hidden"), default="waited",
+    ap.add_argument("--launch", choices=("waited", "hidden", "rested"), default="waited",
                     help="waited (as before the twenty-second session): each timed replay starts on an idle GPU, "
-                         "which waits for the host's launch; hidden: a GPU sleep issued first covers the launch")
+                         "which waits for the host's launch; hidden: a GPU sleep issued first covers the launch; "
+                         "rested: the GPU idles as long first, the launch not hidden")
     ap.add_argument("--rounds", choices=("equal", "fixed"), default="equal",
                     help="equal: a shorter function's replay holds more calls, so that every timed round keeps "
                          "the GPU about as busy; fixed: every replay holds as many calls as the longest function's "
@@ -1094,8 +1121,8 @@ def main() -> None:
     args = parse_args()
     if args.fa4_full_window:
         fa4_module.FA4Tiles.forward = _forward_full_as_window(fa4_module.FA4Tiles.forward)
-    global HIDE_LAUNCH, FIXED_ROUNDS
-    HIDE_LAUNCH = args.launch == "hidden"
+    global LAUNCH, FIXED_ROUNDS
+    LAUNCH = args.launch
     FIXED_ROUNDS = args.rounds == "fixed"
     if args.loopback_priority == "high":
         Loopback.PRIORITY = -100   # torch maps it to the highest the device has

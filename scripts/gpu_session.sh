@@ -10,7 +10,7 @@
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
-# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22 launch22 launch22b census23 rounds23 causal23 table23 table23g
+# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22 launch22 launch22b census23 rounds23 rest24
 # (default: tests check window scale bench). Any ring cell as a step of its own, so that a call holds what its time
 # allows: ring:CONFIG:CPS:MASKS:BACKENDS (scripts/bench_kernels.py's --rings, --masks and --ring-backends; the
 # launch hidden, rounds equal), e.g. ring:gpt-oss:8:causal:fa4+null,fa4+comm; its seconds: RING_S (default 270).
@@ -25,7 +25,8 @@ export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_D
 FINAL=${OUT:-/tmp/out}
 OUT=/tmp/sinkprof-gpu
 mkdir -p "$OUT" "$FINAL"
-trap 'tar czf "$FINAL/results.tgz" -C "$OUT" . ; cp "$OUT/session.log" "$FINAL/" 2>/dev/null' EXIT
+smi=
+trap '[[ -n $smi ]] && kill $smi 2>/dev/null; tar czf "$FINAL/results.tgz" -C "$OUT" . ; cp "$OUT/session.log" "$FINAL/" 2>/dev/null' EXIT
 run() {  # name, seconds, command...: one step, its log, its exit code; a stuck step cannot eat the call
   local name=$1 secs=$2; shift 2
   echo "== $name: $*" | tee -a "$OUT/session.log"
@@ -585,42 +586,44 @@ if [[ $what == *" census23 "* ]]; then   # <= 200 s: what each graph's launch su
   run ring_census23 ${RING_S:-130} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" --masks causal \
       --ring-backends fa4,fa4+null --profile-step --launch hidden --out "$OUT/ring_census23.json"
 fi
-if [[ $what == *" rounds23 "* ]]; then   # <= 2 x 200 s: the twenty-third session's rings ran 8% faster with the launch
-  # hidden by a 2 ms GPU sleep before each round (FA4's monolithic call 2%): the launch, or the rest the sleep gives a
-  # short round? With every round as long (--rounds equal), the launch waited for and hidden, h16 cp 8 causal
-  # the SM clock, power and throttle reasons every 200 ms beside both runs (read only)
-  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-      --format=csv -lms 200 > "$OUT/smi_rounds23.csv" 2>&1 &
+SMI_QUERY=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active
+if [[ $what == *" rounds23 "* ]]; then   # <= 2 x 200 s: with two calls a replay, the twenty-third session's rings ran
+  # 8% faster with a 2 ms GPU sleep before each round (hiding the launch), FA4's monolithic call 2%. Is it the launch,
+  # or the rest the sleep gives a short round? Every round as long (--rounds equal), the launch waited for and hidden,
+  # h16 cp 8 causal; the SM clock, power and throttle reasons every 200 ms beside both runs (read only)
+  nvidia-smi --query-gpu=$SMI_QUERY --format=csv -lms 200 > "$OUT/smi_rounds23.csv" 2>&1 &
   smi=$!
   run ring_rounds23_hidden ${RING_S:-170} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" \
       --masks causal --ring-backends fa4+null --launch hidden --rounds equal --out "$OUT/ring_rounds23_hidden.json"
   run ring_rounds23_waited ${RING_S:-120} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" \
       --masks causal --ring-backends fa4+null --launch waited --rounds equal --out "$OUT/ring_rounds23_waited.json"
-  kill $smi
+  kill $smi; smi=
 fi
-if [[ $what == *" causal23 "* ]]; then   # <= 230 s: h16 cp 2 and 4 causal, the ring's own code with and without messages,
-  # rounds as long, launch hidden (after rounds23 on a machine with little time left)
-  run ring_causal23 ${RING_S:-230} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:2,4" --masks causal \
-      --ring-backends fa4+null,fa4+comm --launch hidden --out "$OUT/ring_causal23.json"
+if [[ $what == *" rest24 "* ]]; then   # <= 3 x 130 s: the rest and the launch apart, under fixed rounds (one call a
+  # replay) at h16 cp 8 causal: the launch waited for, the GPU rested 2 ms before each round with the launch still
+  # waited for, and the launch hidden by a 2 ms GPU sleep; clock and power beside them
+  nvidia-smi --query-gpu=$SMI_QUERY --format=csv -lms 200 > "$OUT/smi_rest24.csv" 2>&1 &
+  smi=$!
+  for launch in waited rested hidden; do
+    run ring_rest24_$launch ${RING_S:-130} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:8" \
+        --masks causal --ring-backends fa4+null --launch $launch --rounds fixed --out "$OUT/ring_rest24_$launch.json"
+  done
+  kill $smi; smi=
 fi
-for cfg in h16-d128 gpt-oss; do   # <= 2 x 275 s each: issue 11's table with the launch hidden (the twenty-third
-  # session found the ring's own code at 1.00-1.02x FA4 monolithic at h16 cp 8 causal once its graph's launch was hidden
-  # behind earlier work, as a training step's earlier layers hide it): every cp and mask, no messages and the loopback
-  step=table23; [[ $cfg == gpt-oss ]] && step=table23g
-  if [[ $what == *" $step "* ]]; then
-    run ring_${step}_cp24 ${RING_S:-275} python3 scripts/bench_kernels.py --skip-tiles --rings "$cfg:2,4" \
-        --masks causal,no_mask --ring-backends fa4+null,fa4+comm --launch hidden --out "$OUT/ring_${step}_cp24.json"
-    run ring_${step}_cp8 ${RING_S:-275} python3 scripts/bench_kernels.py --skip-tiles --rings "$cfg:8" \
-        --masks causal,no_mask --ring-backends fa4+null,fa4+comm --launch hidden --out "$OUT/ring_${step}_cp8.json"
-  fi
-done
+set -f   # a cell is words, not a pattern
 for cell in $what; do   # ring:CONFIG:CPS:MASKS:BACKENDS
   [[ $cell == ring:* ]] || continue
-  IFS=: read -r _ cfg cps masks backends <<< "$cell"
+  IFS=: read -r _ cfg cps masks backends extra <<< "$cell"
+  if [[ -z $cfg || -z $cps || -z $masks || -z $backends || -n $extra ]]; then
+    echo "== $cell: not ring:CONFIG:CPS:MASKS:BACKENDS (e.g. ring:gpt-oss:8:causal:fa4+null,fa4+comm); skipped" \
+        | tee -a "$OUT/session.log"
+    continue
+  fi
   name="ring_${cfg}_${cps//,/-}_${masks//,/-}_${backends//[,+]/-}"
   run "$name" ${RING_S:-270} python3 scripts/bench_kernels.py --skip-tiles --rings "$cfg:$cps" --masks "$masks" \
       --ring-backends "$backends" --launch hidden --out "$OUT/$name.json"
 done
+set +f
 if [[ $what == *" prof21 "* ]]; then   # <= 300 s: where the loopback ring's forward loses 4-9 points against the bare
   # schedule at h16 d128 (twentieth session): the ring's own code with and without its messages profiled in one run
   run ring_prof21 ${RING_S:-240} python3 scripts/bench_kernels.py --skip-tiles --rings "h16-d128:4" --masks causal \

@@ -130,7 +130,7 @@ def test_the_slowest_rank_rows_and_their_rates_on_the_cpu(bk, monkeypatch):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            out[name] = {"ms": (time.perf_counter() - t0) * 1e3, "spread_ms": 0.0, "launch_us": 0.0}
+            out[name] = {"ms": (time.perf_counter() - t0) * 1e3, "spread_ms": 0.0, "launch_us": 0.0, "calls": 1}
         return out
     monkeypatch.setattr(bk, "interleaved_ms", cpu_ms)
     monkeypatch.setattr(bk, "host_us", lambda fn, calls=20: 1.0)
@@ -156,7 +156,7 @@ def test_the_control_variants_turn_off_their_settings_at_each_call(bk, monkeypat
     call (the variants of one kernel run interleaved); the other variants run with the class's
     settings."""
     monkeypatch.setattr(bk, "interleaved_ms", lambda fns, calls=2, rounds=15, graphed=True, ready=None:
-                        {name: {"ms": 1.0, "spread_ms": 0.0, "launch_us": 0.0} for name in fns})
+                        {name: {"ms": 1.0, "spread_ms": 0.0, "launch_us": 0.0, "calls": 1} for name in fns})
     monkeypatch.setattr(bk, "host_us", lambda fn, calls=20: 1.0)
 
     class Kernel:
@@ -191,7 +191,7 @@ def test_a_rows_ratio_comes_from_the_monolithic_calls_timed_in_its_own_run(bk, m
     def fake_ms(fns, calls=2, rounds=15, graphed=True, ready=None):
         runs.append(sorted(fns))
         scale = len(runs)   # each run its own clock: the monolithic calls read differently in each
-        return {name: {"ms": (2.0 if name.startswith("mono") else 1.0) * scale, "spread_ms": 0.0, "launch_us": 0.0} for name in fns}
+        return {name: {"ms": (2.0 if name.startswith("mono") else 1.0) * scale, "spread_ms": 0.0, "launch_us": 0.0, "calls": 1} for name in fns}
     monkeypatch.setattr(bk, "interleaved_ms", fake_ms)
     monkeypatch.setattr(bk, "host_us", lambda fn, calls=20: 1.0)
     docs = bk.pack_lengths(96, 8, 32, 8, seed=1)
@@ -201,7 +201,7 @@ def test_a_rows_ratio_comes_from_the_monolithic_calls_timed_in_its_own_run(bk, m
     assert len(runs) == 2 and all({f"mono {n}" for n in mono} <= set(run) for run in runs)
     for r in rows:   # every rank's run reads 1 x its scale for the ring, 2 x for the monolithic calls
         scale = r["fwd_ms"]
-        assert r["mono_ms"] == {n: {"ms": 2.0 * scale, "spread_ms": 0.0, "launch_us": 0.0} for n in mono}
+        assert r["mono_ms"] == {n: {"ms": 2.0 * scale, "spread_ms": 0.0, "launch_us": 0.0, "calls": 1} for n in mono}
     apart = {n: {"ms": 10.0} for n in mono}
     bk.with_rates(rows, p.flops, apart, mono="fa4 varlen")
     for r in rows:   # the ring's FLOPs are a quarter of the pack's: (1/4) / (1 / 2) in its own run
@@ -359,7 +359,7 @@ def test_a_null_ring_is_timed_after_its_buffers_are_filled(bk, monkeypatch):
     def cpu_ms(fns, calls=2, rounds=15, graphed=True, ready=None):
         assert filled == []
         ready()
-        return {name: {"ms": 1.0, "spread_ms": 0.0, "launch_us": 0.0} for name in fns}
+        return {name: {"ms": 1.0, "spread_ms": 0.0, "launch_us": 0.0, "calls": 1} for name in fns}
     monkeypatch.setattr(bk, "interleaved_ms", cpu_ms)
     monkeypatch.setattr(bk, "host_us", lambda fn, calls=20: 1.0)
     docs = bk.pack_lengths(96, 8, 32, 8, seed=1)
@@ -382,7 +382,7 @@ def test_the_concurrent_loopback_is_its_own_backend_in_the_same_run(bk, monkeypa
         made.append(self)
     monkeypatch.setattr(bk.Loopback, "__init__", init)
     monkeypatch.setattr(bk, "interleaved_ms", lambda fns, calls=2, rounds=15, graphed=True, ready=None:
-                        {name: {"ms": 1.0, "spread_ms": 0.0, "launch_us": 0.0} for name in fns})
+                        {name: {"ms": 1.0, "spread_ms": 0.0, "launch_us": 0.0, "calls": 1} for name in fns})
     monkeypatch.setattr(bk, "host_us", lambda fn, calls=20: 1.0)
     docs = bk.pack_lengths(96, 8, 32, 8, seed=1)
     p = bk.pack_setup(4, 4, 2, 8, docs, "cpu", dtype=torch.float32)
@@ -516,8 +516,9 @@ def test_a_graph_census_counts_the_nodes_a_capture_made_and_the_kept_graph_repla
     assert y.eq(3).all() and x.eq(3).all()
 
 
-def test_a_shorter_functions_replay_holds_more_calls_so_every_round_is_as_long(bk, monkeypatch):
-    times = {"mono": 25.0, "ring": 3.1, "tile": 0.05, "twin": 24.0}
-    monkeypatch.setattr(bk, "eager_ms", lambda fn, rounds=15: {"ms": times[fn()], "spread_ms": 0.0})
-    per = bk.round_calls({name: (lambda name=name: name) for name in times}, 2)
-    assert per == {"mono": 2, "ring": 16, "tile": bk.ROUND_CALLS_MAX, "twin": 2}
+def test_a_shorter_functions_replay_holds_more_calls_so_every_round_is_as_long(bk):
+    per = bk.round_calls({"mono": 70.0, "ring": 3.1, "tile": 0.05, "twin": 68.0, "zero": 0.0}, 1)
+    assert per == {"mono": 1, "ring": 23, "tile": bk.ROUND_CALLS_MAX, "twin": 1, "zero": bk.ROUND_CALLS_MAX}
+    # short functions alone: every round lasts ROUND_MS at least
+    assert bk.round_calls({"a": 1.0, "b": 2.5}, 2) == {"a": round(bk.ROUND_MS), "b": round(bk.ROUND_MS / 2.5)}
+    assert bk.round_calls({}, 2) == {}
