@@ -522,3 +522,42 @@ def test_a_shorter_functions_replay_holds_more_calls_so_every_round_is_as_long(b
     # short functions alone: every round lasts ROUND_MS at least
     assert bk.round_calls({"a": 1.0, "b": 2.5}, 2) == {"a": round(bk.ROUND_MS), "b": round(bk.ROUND_MS / 2.5)}
     assert bk.round_calls({}, 2) == {}
+
+
+def test_equal_rounds_recapture_a_shorter_function_with_more_calls_and_time_each_call(bk, monkeypatch):
+    call_ms = {"mono": 70.0, "ring": 3.5}
+    gpu = {"ms": 0.0}   # a fake GPU clock: a replay of n calls of f adds n * call_ms[f]
+    captures, filled = [], []
+
+    class Graph:
+        def __init__(self, fn, n):
+            self.name, self.n = fn(), n
+            captures.append((self.name, n))
+
+        def replay(self):
+            gpu["ms"] += self.n * call_ms[self.name]
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = gpu["ms"]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setattr(bk, "capture", Graph)
+    monkeypatch.setattr(bk.torch.cuda, "Event", Event)
+    fns = {name: (lambda name=name: name) for name in call_ms}
+    out = bk.interleaved_ms(fns, calls=1, rounds=3, ready=lambda: filled.append(len(captures)))
+    assert captures == [("mono", 1), ("ring", 1), ("ring", 20)]   # 70 ms a round for both
+    assert filled == [2, 3]   # received buffers filled before the calibrating replays and after the recapture
+    assert {name: (r["ms"], r["calls"]) for name, r in out.items()} == {"mono": (70.0, 1), "ring": (3.5, 20)}
+    monkeypatch.setattr(bk, "FIXED_ROUNDS", True)
+    captures.clear()
+    out = bk.interleaved_ms(fns, calls=2, rounds=3)
+    assert captures == [("mono", 2), ("ring", 2)] and out["ring"]["calls"] == 2 and out["ring"]["ms"] == 3.5
