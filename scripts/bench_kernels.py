@@ -271,20 +271,6 @@ def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
     return start.elapsed_time(stop)
 
 
-def eager_ms(fn, rounds: int = 15) -> dict:
-    """GPU milliseconds per call, issued eagerly (for what cannot be captured)."""
-    fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rounds):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return {"ms": statistics.median(times), "spread_ms": max(times) - min(times)}
-
-
 def host_us(fn, calls: int = 20) -> float:
     """Host microseconds to issue one call of ``fn`` (the GPU runs behind; no sync inside)."""
     fn()
