@@ -564,6 +564,12 @@ def rank_calls(plan) -> Optional[list[tuple[int, int, Band]]]:
             for step in plan.steps for t in step.tiles]
 
 
+def vs_fa4_mono(timed: dict, phase: str, flops: int, total: int, ms: float) -> float:
+    """The rate of ``flops`` done in ``ms`` against FA4's monolithic vanilla call (``timed``'s
+    ``f"fa4 vanilla {phase}"``) on ``total`` FLOPs."""
+    return timed[f"fa4 vanilla {phase}"]["ms"] * flops / total / ms
+
+
 def with_standalone_calls(rows: list, calls: dict, total: int, timed: dict, label: str = "calls") -> list:
     """Each fa4 vanilla row's efficiency if its rank's FA4 calls, timed standalone, were all it did:
     its FLOPs at FA4's monolithic vanilla rate over the sum of those calls' times (``calls``:
@@ -579,8 +585,7 @@ def with_standalone_calls(rows: list, calls: dict, total: int, timed: dict, labe
             if rank_calls_ is None:
                 continue
             standalone = sum(timed[f"{shape_key(*c)} {phase}"]["ms"] for c in rank_calls_)
-            row[f"{phase}_vs_fa4_mono_{label}_standalone"] = (
-                timed[f"fa4 vanilla {phase}"]["ms"] * row["flops"] / total / standalone)
+            row[f"{phase}_vs_fa4_mono_{label}_standalone"] = vs_fa4_mono(timed, phase, row["flops"], total, standalone)
     return rows
 
 
@@ -752,7 +757,7 @@ def ring_bench(cp, b, h, g, s_rank, d, mask: str, profile: bool, names: list, ki
     for n_q, n_kv, tile_band in sorted(shapes, key=str):
         key = shape_key(n_q, n_kv, tile_band)
         flops = 4 * b * h * d * tile_band.count(n_q, n_kv)
-        shape_rates[key] = [mono_ms[f"fa4 vanilla {phase}"]["ms"] * flops / total / mono_ms[f"{key} {phase}"]["ms"]
+        shape_rates[key] = [vs_fa4_mono(mono_ms, phase, flops, total, mono_ms[f"{key} {phase}"]["ms"])
                             for phase in ("fwd", "bwd")]
         print(f"{key}: FA4 standalone fwd / bwd {shape_rates[key][0]:.3f} / {shape_rates[key][1]:.3f} of monolithic")
     ks = [shard(k, cp, r, 1).permute(0, 2, 1, 3) for r in range(cp)]

@@ -545,7 +545,7 @@ def test_equal_rounds_recapture_a_shorter_function_with_more_calls_and_time_each
             self.at = gpu["ms"]
 
         def synchronize(self):
-            pass
+            """The fake GPU has always finished."""
 
         def elapsed_time(self, end):
             return end.at - self.at
