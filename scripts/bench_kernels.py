@@ -590,7 +590,15 @@ def with_standalone_calls(rows: list, calls: dict, total: int, timed: dict, labe
 
 
 def shape_key(n_q: int, n_kv: int, band: Band) -> str:
-    return f"tile {n_q}x{n_kv} {band}"
+    """A call shape's name, as printed and as the JSON's key: ``tile 8192x4096 full``, ``... causal``,
+    or the band's range of ``j - i`` (``... band -127..0``)."""
+    if band == Band():
+        name = "full"
+    elif band == Band(None, 0):
+        name = "causal"
+    else:
+        name = f"band {'-inf' if band.lo is None else band.lo}..{'inf' if band.hi is None else band.hi}"
+    return f"tile {n_q}x{n_kv} {name}"
 
 
 def _timed(fns: dict, calls: int = 1, rounds: int = 15, ready: Optional[Callable] = None) -> tuple[dict, str]:

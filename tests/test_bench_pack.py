@@ -413,6 +413,8 @@ def test_a_ranks_calls_are_its_steps_tiles_and_their_standalone_time_its_shape_c
                                                         (c, 4 * c, Band()), (c, 2 * c, Band())]
     assert bk.rank_calls(join_runs(schedule.plans[7])) == [(2 * c, 2 * c, Band(None, 0)), (2 * c, 4 * c, Band()),
                                                            (2 * c, 3 * c, Band())]
+    assert [bk.shape_key(2 * c, c, band) for band in (Band(), Band(None, 0), Band(-127, 0), Band(3, None))] == [
+        "tile 8192x4096 full", "tile 8192x4096 causal", "tile 8192x4096 band -127..0", "tile 8192x4096 band 3..inf"]
     timed = {"fa4 vanilla fwd": {"ms": 16.0}, "fa4 vanilla bwd": {"ms": 40.0}}
     for (n_q, n_kv, band), fwd in {(2 * c, 2 * c, Band(None, 0)): 0.5, (2 * c, c, Band()): 0.25,
                                    (c, 2 * c, Band()): 0.2, (2 * c, 4 * c, Band()): 0.9,
