@@ -146,6 +146,14 @@ class RankPlan:
         """The later results are merged more than once: the merges between need an fp32 accumulator."""
         return any(step.merges for step in self.steps[:-1])
 
+    @functools.cached_property
+    def merged_rows(self) -> slice:
+        """The span of the rows later tiles write (empty without them): a merge that reads and writes
+        the same buffer leaves the rows outside it as they are (under zigzag, a rank whose later steps
+        see only its second chunk merges half its rows)."""
+        rows = [t.q_rows for step in self.steps for t in step.tiles if not t.sink]
+        return slice(min(r.start for r in rows), max(r.stop for r in rows)) if rows else slice(0, 0)
+
     @property
     def backward_steps(self) -> tuple[Step, ...]:
         """Backward visits the forward steps in ring order (dK/dV travel one hop behind K/V)."""

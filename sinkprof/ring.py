@@ -356,9 +356,12 @@ def run_forward(plan: RankPlan, kv: KVSource, *, state: ForwardState, sink: Opti
                 final = step is last
                 if step.merges or (final and fold is not None):
                     n = step.merges
-                    merge_parts_(state.o_acc if merged else state.out, state.lse, state.parts_o[:n],
-                                 state.parts_lse[:n], into=state.out if final else state.o_acc,
-                                 sink=fold if final else None)
+                    src, dst = state.o_acc if merged else state.out, state.out if final else state.o_acc
+                    folds = final and fold is not None
+                    # in place and without the fold, the rows no later tile wrote are already final
+                    rows = plan.merged_rows if src is dst and not folds else slice(None)
+                    merge_parts_(src[:, :, rows], state.lse[:, :, rows], state.parts_o[:n, :, :, rows],
+                                 state.parts_lse[:n, :, :, rows], into=dst[:, :, rows], sink=fold if folds else None)
                     if not final:
                         state.parts_lse[:n].fill_(NEG_INF)
                         merged = True

@@ -122,3 +122,34 @@ def test_more_later_tiles_than_buffers_merge_in_batches_and_a_forward_state_serv
         want = spec.qkv_format.to_bhsd(shard(ref.out, cp, rank, 1))
         assert (outs[0] - want).abs().max() <= 1e-12
         assert torch.equal(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("strategy", [SinkStrategy.STEP0, SinkStrategy.POST_MERGE])
+def test_a_merge_in_place_touches_only_the_rows_later_tiles_wrote(strategy, monkeypatch):
+    """Under zigzag causal, rank 0's later steps see only its second chunk: without the fold its
+    one merge (in place, into the output) reads and writes those rows alone, and the rows of its
+    first chunk keep step 0's result; the post-merge fold touches every row. Rank cp - 1's later
+    tiles cover all its rows. Either way the output is exact."""
+    import sinkprof.ring as ring
+    cp, c = 4, 3
+    spec = make_spec("learnable", "causal", None, "bshd")
+    inputs = make_inputs(Shape(b=1, s=2 * c * cp, h=2, g=1, d=8), spec, seed=5)
+    ref = reference(inputs, spec)
+    schedule = comm_schedule("ring", cp, c, spec.band, 1, 1)
+    ks, vs = ([spec.qkv_format.to_bhsd(shard(x, cp, r, 1)) for r in range(cp)] for x in (inputs.k, inputs.v))
+    opts = CPOptions(spec, 8 ** -0.5, TorchTiles(), strategy)
+    merged = []
+    real = ring.merge_parts_
+    monkeypatch.setattr(ring, "merge_parts_", lambda o, *a, **kw: (merged.append(o.shape[2]), real(o, *a, **kw)))
+    for rank, later in ((0, slice(c, 2 * c)), (cp - 1, slice(0, 2 * c))):
+        plan = schedule.plans[rank]
+        assert plan.merged_rows == later and not plan.accumulates
+        q = spec.qkv_format.to_bhsd(shard(inputs.q, cp, rank, 1))
+        out = torch.empty_like(q)
+        state = ForwardState.make(plan, q, out, torch.empty(q.shape[:3], dtype=torch.float64), fill=float("nan"))
+        merged.clear()
+        run_forward(plan, LocalKV(ks, vs, schedule, rank, "fwd"), state=state, sink=inputs.offset, bias=None,
+                    opts=opts)
+        folds = strategy is SinkStrategy.POST_MERGE
+        assert merged == [2 * c if folds else later.stop - later.start]
+        assert (out - spec.qkv_format.to_bhsd(shard(ref.out, cp, rank, 1))).abs().max() <= 1e-12

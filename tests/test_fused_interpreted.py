@@ -61,6 +61,23 @@ SCRIPT = textwrap.dedent('''
     torch.testing.assert_close(acc.double(), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
 
+    # in place on a span of rows (``run_forward``: the rows later tiles wrote), bf16 output: the rows
+    # outside the span are not touched
+    out, lse = bshd(b, h, s, d, dtype=torch.bfloat16), torch.randn(b, h, s)
+    parts_o, parts_lse = bshd(2, b, h, s, d, dtype=torch.bfloat16), torch.randn(2, b, h, s)
+    rows = slice(11, 30)
+    want, want_lse = out.double(), lse.double()
+    sink.merge_parts_(want[:, :, rows], want_lse[:, :, rows], parts_o[:, :, :, rows].double(),
+                      parts_lse[:, :, :, rows].double())
+    before, before_lse = out.clone(), lse.clone()
+    fused.merge_parts_(out[:, :, rows], lse[:, :, rows], parts_o[:, :, :, rows], parts_lse[:, :, :, rows],
+                       into=out[:, :, rows])
+    torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    for keep in (slice(0, 11), slice(30, s)):
+        assert torch.equal(out[:, :, keep], before[:, :, keep]) and torch.equal(lse[:, :, keep], before_lse[:, :, keep])
+    assert not torch.equal(out[:, :, rows], before[:, :, rows])
+
     # a group's rows added (or written) in one pass: only the indexed rows change
     for write in (False, True):
         dst, src = bshd(b, h, s, d, dtype=torch.float32), bshd(b, h, s, d, dtype=torch.bfloat16)
