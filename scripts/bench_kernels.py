@@ -592,7 +592,7 @@ def with_standalone_calls(rows: list, calls: dict, total: int, timed: dict, labe
 def shape_key(n_q: int, n_kv: int, band: Band) -> str:
     """A call shape's name, as printed and as the JSON's key: ``tile 8192x4096 full``, ``... causal``,
     or the band's range of ``j - i`` (``... band -127..0``)."""
-    if band == Band():
+    if band.is_full:
         name = "full"
     elif band == Band(None, 0):
         name = "causal"
