@@ -288,3 +288,32 @@ def test_checking_a_path_makes_no_folder_and_the_write_makes_them(tmp_path):
     assert sorted(tmp_path.iterdir()) == []
     write_text(path, "{}")
     assert path.read_text() == "{}"
+
+
+def test_a_path_ending_in_a_slash_that_is_no_folder_is_refused_and_nothing_is_made(tmp_path):
+    """``notyet/`` names a folder: a shell's > and open() refuse it; it is not written as a file."""
+    with pytest.raises(ValueError, match=r"--output .*notyet/: ends in /, the name of a folder"):
+        check_writable(f"{tmp_path}/notyet/", "--output")
+    res = CliRunner().invoke(app, ["check", "--ranks", "1", "--seq-len", "16", "--heads", "2", "--kv-heads", "1",
+                                   "--head-dim", "8", "--format", "json", "-o", f"{tmp_path}/notyet/"])
+    assert res.exit_code == 2 and "ends in /" in res.output, res.output
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_a_write_protected_file_is_refused_and_kept(tmp_path, monkeypatch):
+    """The result replaces a file by a rename, which the file's own mode does not stop: a file the
+    user may not write is refused first (as for a user without root's override; the tests may run
+    as root, so the permission is what ``os.access`` answers)."""
+    kept = tmp_path / "ro.json"
+    kept.write_text("protected")
+    kept.chmod(0o444)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == kept and mode & os.W_OK
+                        else real_access(p, mode, **kw))
+    with pytest.raises(ValueError, match=r"--output .*ro.json: cannot be written \(permission denied\)"):
+        check_writable(str(kept), "--output")
+    link = tmp_path / "link.json"
+    link.symlink_to(kept)
+    with pytest.raises(ValueError, match="permission denied"):
+        check_writable(str(link), "--csv")
+    assert kept.read_text() == "protected"

@@ -188,9 +188,15 @@ def check_writable(path: Optional[str], option: str, *, partial: bool = False) -
         where = target(path)
         if where.is_dir():
             raise ValueError(f"{option} {path}: is a folder; name a file in it")
+        if str(path).endswith(os.sep):   # realpath drops the slash; a shell or open() would refuse the name
+            raise ValueError(f"{option} {path}: ends in {os.sep}, the name of a folder, and there is no such "
+                             f"folder; name a file (without the {os.sep})")
+        if where.exists() and not os.access(where, os.W_OK):
+            # the result replaces the file by a rename, which its own mode would not stop; a
+            # protected file is refused as a shell's > or pandas' to_csv would refuse it
+            raise ValueError(f"{option} {path}: cannot be written (permission denied); choose another path, "
+                             f"or make it writable")
         if _in_place(where):   # a device or a FIFO: written in place
-            if not os.access(where, os.W_OK):
-                raise ValueError(f"{option} {path}: cannot be written (permission denied)")
             return
         if partial:
             _partial_fits(where, option, path)
