@@ -169,7 +169,7 @@ def check(
     from .faults import Fault
     from .tool.check import check_job
     from .tool.launcher import launch, torchrun_env
-    from .tool.profiles import settings_for
+    from .tool.profiles import check_not_the_profile, settings_for
 
     torchrun_env()   # a broken torchrun environment is refused before anything reads it
     preflight.check_values(case)
@@ -180,6 +180,7 @@ def check(
     fault = Fault.parse(inject, "--inject") if inject is not None else None
     groups = settings_for(case)
     check_writable(output, "--output")
+    check_not_the_profile(case, output, "--output")
     preflight.check_memory(groups, groups[0].ranks, groups[0].device, reference=True)   # first: quick, for any cp
     preflight.check_fault(fault, groups)
     config = _config("check", groups, case, **{"--inject": inject})
@@ -211,11 +212,11 @@ def bench(
     --capture-range=cudaProfilerApi -o rank%q{RANK} sinkprof bench ...
     """
     from .faults import Fault
-    from .tool.bench import BenchOptions, bench_job
+    from .tool.bench import BenchOptions, bench_job, check_trace_files
     from .tool.bench import simulate as run_simulation
     from .tool.launcher import launch, torchrun_env
     from .tool.linkmodel import parse_link
-    from .tool.profiles import settings_for
+    from .tool.profiles import check_not_the_profile, settings_for
 
     torchrun_env()   # a broken torchrun environment is refused before anything reads it
     preflight.check_values(case)
@@ -233,7 +234,9 @@ def bench(
                         parse_link(link, "--link") if link is not None else None)
     groups = settings_for(case, ranks=1, cps=sims) if sims else settings_for(case)
     check_writable(csv_path, "--csv")
+    check_not_the_profile(case, csv_path, "--csv")
     check_folder(trace, "--trace")
+    check_trace_files(opts, groups[0].ranks)
     preflight.check_memory(groups, min(sims) if sims else groups[0].ranks, groups[0].device, reference=False,
                            procs=1 if sims else None)
     preflight.check_fault(fault, groups)

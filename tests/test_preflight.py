@@ -441,3 +441,25 @@ def test_a_run_of_1000_ranks_is_refused_at_once_without_any_plan(no_launch, monk
                    "of host memory", no_launch)
     assert time.monotonic() - start < 2
     assert "x 1000 rank(s)" in " ".join(out.split())
+
+
+def test_no_result_replaces_the_profile_the_run_reads_or_a_rank_s_trace(no_launch, tmp_path):
+    profile = tmp_path / "mine.toml"
+    text = 'description = "mine"\nranks = 2\nseq_len = 64\nheads = 2\nkv_heads = 1\nhead_dim = 8\n'
+    profile.write_text(text)
+    link = tmp_path / "link.toml"
+    link.symlink_to(profile)
+    _refused(["check", "--profile", str(profile), "--format", "json", "-o", str(link)],
+             f"--output {link}: is the profile this run reads (--profile {profile})", no_launch)
+    _refused(["bench", "--profile", str(profile), "--csv", str(profile)],
+             f"--csv {profile}: is the profile this run reads", no_launch)
+    assert profile.read_text() == text
+    _refused(["bench", "--ranks", "2", "--trace", str(tmp_path / "t"), "--csv", str(tmp_path / "t" / "rank1.json")],
+             f"is rank 1's trace file in --trace {tmp_path / 't'}", no_launch)
+    assert not (tmp_path / "t").exists()
+
+
+def test_the_profiles_command_and_a_trace_folder_name_what_the_user_typed(no_launch):
+    _refused(["profiles", "nope"], "sinkprof profiles 'nope' is unknown", no_launch)
+    _refused(["bench", "--trace", "-"], "--trace '-': name a folder (the files written into it cannot go to stdout)",
+             no_launch)

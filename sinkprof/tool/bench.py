@@ -77,6 +77,21 @@ class BenchOptions:
                              f"the others belong to check")
 
 
+def trace_file(trace: str, rank: int) -> Path:
+    """Where a rank's torch.profiler trace goes in the ``--trace`` folder."""
+    return Path(trace) / f"rank{rank}.json"
+
+
+def check_trace_files(opts: BenchOptions, ranks: int) -> None:
+    """The CSV is none of the trace files a run of ``ranks`` writes (the trace would replace it)."""
+    if opts.trace is None or opts.csv in (None, STDOUT):
+        return
+    for rank in range(ranks):
+        if same_target(opts.csv, str(trace_file(opts.trace, rank))):
+            raise ValueError(f"--csv {opts.csv}: is rank {rank}'s trace file in --trace {opts.trace}; "
+                             f"write the CSV elsewhere")
+
+
 def useful_flops(case: Case, phase: str) -> int:
     """FLOPs of the whole sequence's attention, each visible pair once (causal counted once; a
     pack's documents each see only themselves)."""
@@ -182,7 +197,7 @@ def _capture(device: torch.device, trace: Optional[str], rank: int):
             torch.cuda.cudart().cudaProfilerStop()
         if prof is not None:
             prof.__exit__(None, None, None)
-            path = Path(trace) / f"rank{rank}.json"
+            path = trace_file(trace, rank)
             try:
                 with atomic_path(path) as tmp:
                     prof.export_chrome_trace(str(tmp))

@@ -233,7 +233,7 @@ def check_folder(path: Optional[str], option: str) -> None:
     if path is None:
         return
     if path in ("", STDOUT):
-        raise ValueError(f"{option} {path!r}: name a folder (pictures are files, they cannot go to stdout)")
+        raise ValueError(f"{option} {path!r}: name a folder (the files written into it cannot go to stdout)")
     if _descriptor(path, option) is not None:
         raise ValueError(f"{option} {path}: names a file descriptor; name a folder (the files are written into it)")
     with _os_errors(option, path):

@@ -19,7 +19,7 @@ from typing import Optional
 from ..options import CommType
 from .cases import CaseOptions, Settings, check_pack_layer, merge_layers
 from .launcher import torchrun_env
-from .output import Output
+from .output import STDOUT, Output, same_target
 from .preflight import check_dist_backend
 
 FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Settings)}   # annotations as strings
@@ -122,22 +122,23 @@ def available() -> dict[str, Path]:
     return found
 
 
-def find(name: Optional[str]) -> Profile:
-    """A profile by name (from the profile directories) or by path; None is the embedded default."""
+def find(name: Optional[str], option: str = "--profile") -> Profile:
+    """A profile by name (from the profile directories) or by path; None is the embedded default.
+    Errors name ``option``, the way the user gave the name."""
     if name is None:
         return Profile("cpu-default (embedded)", None, "CPU, gloo, 2 ranks: p2p x 3 softmax types x 2 masks", {}, [])
     if name.endswith(".toml") or os.sep in name:
         path = Path(name)
         try:
             if not path.is_file():
-                raise ValueError(f"--profile {name!r}: {'a folder, not a file' if path.is_dir() else 'no such file'}")
+                raise ValueError(f"{option} {name!r}: {'a folder, not a file' if path.is_dir() else 'no such file'}")
         except OSError as exc:   # a folder that cannot be entered
-            raise ValueError(f"--profile {name!r}: {exc.strerror or exc}; name a profile file you can read "
+            raise ValueError(f"{option} {name!r}: {exc.strerror or exc}; name a profile file you can read "
                              f"(or a named profile, see sinkprof profiles)") from None
         return load(path)
     known = available()
     if name not in known:
-        raise ValueError(f"--profile {name!r} is unknown; available: {', '.join(known) or 'none'} "
+        raise ValueError(f"{option} {name!r} is unknown; available: {', '.join(known) or 'none'} "
                          f"(or pass a path to a .toml file)")
     return load(known[name], name)
 
@@ -188,6 +189,14 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
     return groups
 
 
+def check_not_the_profile(options: CaseOptions, path: Optional[str], option: str) -> None:
+    """``path``, a file the run writes, is not the profile file it reads (the result would replace it)."""
+    profile = find(options.profile).path
+    if path not in (None, STDOUT) and profile is not None and same_target(path, str(profile)):
+        raise ValueError(f"{option} {path}: is the profile this run reads (--profile {options.profile}); "
+                         f"write the result to another file")
+
+
 def check_simulated_comm(profile: Profile, overrides: dict, typed: Optional[str]) -> None:
     """``bench --simulate`` replays the p2p ring: each group's comm, parsed from the command line
     (``typed`` is --comm as given) or taken from the profile, must be p2p. The error names where the
@@ -227,5 +236,5 @@ def show(name: Optional[str], output: Output) -> None:
         for i, settings in enumerate(prof.resolve({})):
             console.print(f"group {i + 1}: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(settings).items()))
 
-    prof = None if name is None else find(name)
+    prof = None if name is None else find(name, "sinkprof profiles")
     output.emit(table=table)
