@@ -226,6 +226,8 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "abc"}, "LOCAL_WORLD_SIZE='abc' must be an integer in 1..2"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE=0 must be in 1..2"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "nowhere.invalid", "MASTER_PORT": "29555"},
+     "MASTER_ADDR='nowhere.invalid' does not resolve"),
 ])
 @pytest.mark.parametrize("command", ["check", "bench"])
 def test_a_broken_torchrun_environment_is_a_usage_error_naming_the_variable(monkeypatch, env, message, command):

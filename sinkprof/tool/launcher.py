@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import multiprocessing as mp
 import multiprocessing.resource_tracker
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -79,7 +81,19 @@ def torchrun_env() -> Optional[TorchrunEnv]:
                              f"{'is' if len(missing) == 1 else 'are'} not: start the ranks with torchrun, which sets "
                              f"them, set {' and '.join(missing)}, or unset RANK and WORLD_SIZE to self-launch (--ranks)")
         _env_int("MASTER_PORT", 1, 65535)
+        _check_resolves(os.environ["MASTER_ADDR"])
     return TorchrunEnv(rank, world, local_rank, local_world)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_resolves(addr: str) -> None:
+    """MASTER_ADDR names a host: one that does not resolve would only show after ``--timeout``, as
+    ranks that never met."""
+    try:
+        socket.getaddrinfo(addr, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"MASTER_ADDR={addr!r} does not resolve ({getattr(exc, 'strerror', None) or exc}); set it "
+                         f"to the address of rank 0's host, as torchrun does") from None
 
 
 def _env_int(name: str, low: int, high: Optional[int] = None, default: Optional[int] = None) -> int:
