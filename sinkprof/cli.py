@@ -212,7 +212,7 @@ def bench(
     --capture-range=cudaProfilerApi -o rank%q{RANK} sinkprof bench ...
     """
     from .faults import Fault
-    from .tool.bench import BenchOptions, bench_job, check_trace_files
+    from .tool.bench import BenchOptions, bench_job, check_simulated_sizes, check_trace_files
     from .tool.bench import simulate as run_simulation
     from .tool.launcher import launch, torchrun_env
     from .tool.linkmodel import parse_link
@@ -237,6 +237,7 @@ def bench(
     check_not_the_profile(case, csv_path, "--csv")
     check_folder(trace, "--trace")
     check_trace_files(opts, groups[0].ranks)
+    check_simulated_sizes(groups, sims)
     preflight.check_memory(groups, min(sims) if sims else groups[0].ranks, groups[0].device, reference=False,
                            procs=1 if sims else None)
     preflight.check_fault(fault, groups)

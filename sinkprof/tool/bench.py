@@ -312,6 +312,24 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
 
 
 
+def check_simulated_sizes(groups: list, cps: tuple) -> None:
+    """Every ``--simulate`` size can lay out every case (before anything, the memory check included,
+    asks the layout of it); the error names the size and the option to change."""
+    for cp in cps:
+        for settings in groups:
+            if settings.seqlens is None and settings.seq_len % (2 * cp):   # a pack's documents name their own
+                step = 2 * cp
+                raise ValueError(f"--simulate {cp}: --seq-len {settings.seq_len} must be divisible by 2 * cp = {step} "
+                                 f"(load-balanced chunks); use --seq-len {max(step, settings.seq_len // step * step)}, "
+                                 f"or drop {cp} from --simulate")
+            try:
+                settings.shape.validate(cp)
+                for case in expand(settings):
+                    spec_layout(case.spec(), case.shape.s, cp)   # zigzag: every document in 2 * cp chunks
+            except ValueError as exc:
+                raise ValueError(f"--simulate {cp}: {exc}") from None
+
+
 def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     """``--simulate``: every rank's compute schedule of a cp=N p2p ring (``profiles.settings_for``
     refuses other comms), one rank after another, on one device (K/V held as the case's K/V
@@ -319,14 +337,7 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     each rank's rows become a prediction (``linkmodel.predict``): its exchanges from the plan's
     bytes over the link, the exposed part against the compute measured here, rows marked
     ``predicted``."""
-    for cp in opts.simulate:
-        for settings in groups:
-            try:
-                settings.shape.validate(cp)
-                for case in expand(settings):
-                    spec_layout(case.spec(), case.shape.s, cp)   # zigzag: every document in 2 * cp chunks
-            except ValueError as exc:
-                raise ValueError(f"--simulate {cp}: {exc}") from None
+    check_simulated_sizes(groups, opts.simulate)
     writer = RowWriter(opts.csv)
     run_id = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}-sim"
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
