@@ -59,7 +59,7 @@ def test_emulate_csv_reads_back_with_pandas(tmp_path):
     (["emulate", "--strategy", "nope"], "--strategy"),
     (["emulate", "--cp", "0"], "--cp"),
     (["emulate", "--window", "3"], "--window"),
-    (["emulate", "--heads", "4", "--kv-heads", "3"], "multiple of g"),
+    (["emulate", "--heads", "4", "--kv-heads", "3"], "--heads 4 must be a multiple of --kv-heads 3"),
     (["check", "--softmax", "bogus"], "softmax"),
     (["check", "--dtype", "fp8"], "dtype"),
     (["check", "--seq-len", "66"], "divisible by 2 * cp = 4"),

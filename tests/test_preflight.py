@@ -84,6 +84,8 @@ def _refused(args, message, started):
     (["check", "--mask", "no_mask", "--window", "4,9223372036854775808"], "right 9223372036854775808 is past"),
     (["emulate", "--mask", "no_mask", "--window", "99999999999999999999,0"], "--window"),
     (["check", "--heads", "4", "--kv-heads", "3"], "--heads 4 must be a multiple of --kv-heads 3"),
+    (["check", "--mask", "causal", "--window", "3,5"], "--window 3,5: right 5 contradicts --mask causal (it implies "
+                                                       "right = 0); use --window 3,0 or --mask no_mask"),
     (["check", "--seq-len", "66"], "use --seq-len 64"),
     (["check", "--batch", "0"], "--batch 0 must be >= 1"),
     (["check", "--ranks", "0"], "--ranks 0 must be >= 1"),

@@ -28,6 +28,32 @@ from ..testing import Shape
 DEFAULT_DOCS = 3    # documents of a thd pack given neither --seqlens nor --docs (fewer if the pack is short)
 
 
+def check_gqa(heads: int, kv_heads: int) -> None:
+    """``--heads`` a multiple of ``--kv-heads`` (each K/V head serves a group of query heads)."""
+    if heads % kv_heads:
+        raise ValueError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} (GQA)")
+
+
+def check_window(window: Optional[tuple], masks) -> None:
+    """``--window`` under every ``--mask``, by the library's rules (``make_spec``), in the options'
+    words: a pair that fails without a mask is wrong in itself (a side below -1); one that fails
+    only under a mask sees keys after the row, which that mask (causal) hides."""
+    if window is None:
+        return
+    text = f"--window {window[0]},{window[1]}"
+    try:
+        make_spec(SoftmaxType.VANILLA, MaskType.NO_MASK, window, QKVFormat.BSHD)
+    except ValueError as exc:
+        raise ValueError(f"{text}: {exc}") from None
+    for mask in masks:
+        try:
+            make_spec(SoftmaxType.VANILLA, mask, window, QKVFormat.BSHD)
+        except ValueError:
+            raise ValueError(f"{text}: right {window[1]} contradicts --mask {mask} (it implies right = 0); use "
+                             f"--window {window[0]},0 or --mask no_mask") from None
+
+
+
 @dataclass(frozen=True)
 class Settings:
     """One run of ``check``: lists are crossed into cases. The defaults are the embedded CPU default."""
@@ -82,18 +108,13 @@ class Settings:
         for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ranks", "a2a_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{option(name)} {getattr(self, name)} must be >= 1")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads} (GQA)")
+        check_gqa(self.heads, self.kv_heads)
         self.validate_pack()   # first: explicit lengths get the library's message (it names pad_pack)
         if self.seq_len % (2 * self.ranks):
             step = 2 * self.ranks
             raise ValueError(f"--seq-len {self.seq_len} must be divisible by 2 * cp = {step} (load-balanced "
                              f"chunks, cp = --ranks {self.ranks}); use --seq-len {max(step, self.seq_len // step * step)}")
-        for mask in self.mask:
-            try:
-                make_spec("vanilla", mask, self.window, "bshd")
-            except ValueError as exc:
-                raise ValueError(f"--window {','.join(map(str, self.window))}: {exc}") from None
+        check_window(self.window, [MaskType(m) for m in self.mask])
         for comm in map(CommType, self.comm):
             members = a2a_members(comm, self.ranks, self.a2a_size)
             try:   # the library's rules for an a2a group, the ones cp_attention enforces

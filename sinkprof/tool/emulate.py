@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..emulate import emulate_hierarchical, emulate_ring
-from ..options import (AttnSpec, KVSchedule, MaskType, PackLayout, QKVFormat, SinkStrategy, SoftmaxType,
-                       check_a2a_size, make_spec, window_pair)
+from ..options import (A2AError, AttnSpec, KVSchedule, MaskType, PackLayout, QKVFormat, SinkStrategy, SoftmaxType,
+                       a2a_sizes, check_a2a_size, check_heads, make_spec, window_pair)
 from ..plan import spec_layout
 from ..testing import Shape, make_inputs, reference
-from .cases import Settings, check_pack_layer, merge_layers, seqlens_text
+from .cases import Settings, check_gqa, check_pack_layer, check_window, merge_layers, seqlens_text
 from .errors import EXIT_FAILED, EXIT_OK
 from .output import Output
-from .preflight import sink_counted_again
+from .preflight import check_replay_memory, sink_counted_again
 
 DEFAULT_SEQ_LEN = 64
 DEFAULT_BATCH = 2
@@ -125,6 +126,29 @@ def check_every_tile(strategies, cps, a2a_size: Optional[int], masks, window, fo
                          f"a result and the replay cannot detect it; {fix}")
 
 
+def check_heads_and_groups(shape: Shape, cps, members: Optional[int]) -> None:
+    """``--heads`` a multiple of ``--kv-heads``, and under a2a+p2p (``members`` ranks per inner
+    group) an ``--a2a-size`` that divides every ``--cp`` and splits the heads: the library's checks
+    (``check_a2a_size``, ``check_heads``, which ``emulate_hierarchical`` runs), in the options' words."""
+    check_gqa(shape.h, shape.g)
+    if members is None:
+        return
+    for n in cps:
+        try:
+            check_a2a_size(members, n)
+        except A2AError:
+            raise ValueError(f"--a2a-size {members} must divide every --cp, and --cp {n} is not a multiple of it; "
+                             f"give --cp multiples of {members} or a smaller --a2a-size") from None
+    try:
+        check_heads(shape.h, shape.g, members)
+    except A2AError:
+        fits = [m for m in a2a_sizes(math.gcd(*cps), shape.h, shape.g) if m > 1]   # sizes that fit every --cp
+        fix = (f"use --a2a-size {max(fits)}, which divides both and every --cp" if fits else
+               "use --comm p2p (no --a2a-size above 1 divides both and every --cp)")
+        raise ValueError(f"--comm a2a+p2p --a2a-size {members} splits the heads over each a2a group: --heads "
+                         f"{shape.h} and --kv-heads {shape.g} must both be divisible by {members}; {fix}") from None
+
+
 def only_allgather(schedules, pack_layout: PackLayout) -> bool:
     """Every schedule replayed is allgather (``auto`` is, in the balanced pack layout)."""
     gathered = {KVSchedule.ALLGATHER} | ({KVSchedule.AUTO} if pack_layout is PackLayout.BALANCED else set())
@@ -176,21 +200,19 @@ def pack(formats, cps, *, seq_len: Optional[int], seqlens: Optional[tuple], docs
 def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: int, window: Optional[str],
         output: Output, schedules=(KVSchedule.AUTO,), formats=(QKVFormat.BSHD,), docs: tuple = (),
         pack_layout=PackLayout.ZIGZAG) -> int:
-    """The command: replay, compare, write the rows; 0 when every row is as expected. ``window``
-    is the ``LEFT,RIGHT`` text of ``--window``; ``docs`` the thd pack (``pack``) in ``pack_layout``."""
+    """The command: every option checked and the replay's memory estimated before the first tensor,
+    then replay, compare, write the rows; 0 when every row is as expected. ``window`` is the
+    ``LEFT,RIGHT`` text of ``--window``; ``docs`` the thd pack (``pack``) in ``pack_layout``."""
     pair = None if window is None else window_pair(window, "--window")
     if comm not in ("p2p", "a2a+p2p"):
         raise ValueError(f"--comm {comm!r}: emulate replays p2p or a2a+p2p")
     check_pack_layout(pack_layout, formats, comm, schedules)
     members = a2a_size if comm == "a2a+p2p" else None
-    for n in cps:
-        shape.validate(n)
-        if members:
-            try:
-                check_a2a_size(members, n)
-            except ValueError:
-                raise ValueError(f"--a2a-size {members} must divide every --cp, and --cp {n} is not a multiple of it; "
-                                 f"give --cp multiples of {members} or a smaller --a2a-size") from None
+    check_heads_and_groups(shape, cps, members)
+    check_window(pair, masks)
+    specs = [replay_spec(QKVFormat.parse(fmt, "--qkv-format"), mask, pair, docs, pack_layout)
+             for fmt, mask in itertools.product(formats, masks)]
+    check_replay_memory(shape, specs, cps, members or 1, schedules)   # before the first tensor
     check_every_tile(strategies, cps, members, masks, pair, formats, shape.s, docs, schedules, pack_layout)
     rows = emulate(cps, masks, strategies, shape, seed, pair, members, schedules, formats, docs, pack_layout)
     ok = all(r.ok for r in rows)

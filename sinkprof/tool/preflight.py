@@ -4,8 +4,9 @@ trip over after minutes, on every rank, with a traceback.
 ``Settings.validate`` checks each settings group (values, shapes, backends, with the library's own
 checks); this module checks the run as a whole: the communication backend, whether an injected
 fault applies to any case (``emulate`` asks the same of its every-tile rows), and whether the run
-fits in memory. Every error is a ``ValueError`` that names the option and the fix (exit 2,
-``tool.errors``). Output paths are checked by ``tool.output.check_writable``.
+fits in memory (``emulate``'s one-process replay too: ``check_replay_memory``). Every error is a
+``ValueError`` that names the option and the fix (exit 2, ``tool.errors``). Output paths are
+checked by ``tool.output.check_writable``.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ..options import (DTYPES, AttnSpec, Backend, CommType, KVSchedule, PackLayo
                        check_seed, check_timeout)
 from ..plan import PARTS, RUN_ROWS, ring_plan, spec_layout
 from ..schedule import planless_kv_schedule
+from ..testing import Shape
 from .cases import Case, CaseOptions, a2a_members, expand
 from .launcher import local_ranks
 
@@ -250,20 +252,26 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True,
         kv_all = sh.b * sh.s * 2 * max(1, sh.g // members) * sh.d
         device += kv_all * 3 * elem + kv_all * 3 * acc
     if tile_scores or case.bias:    # bias tiles fall back to the torch tiles
-        # the largest tile: step 0's 2c x 2c of the outer ring (every tile under no_mask), on the
-        # heads a rank keeps after the inner a2a; a2a alone is a ring of one rank (c = s / 2);
-        # under allgather a chunk's rows against its whole document (a piece's, in the balanced layout)
-        chunk = max(1, max(case.docs, default=sh.s) // (2 * ring))   # of the longest document
-        rows, keys = 2 * chunk, (2 * ring * chunk if gather else 2 * chunk)
-        if case.pack_layout is PackLayout.BALANCED:   # a rank's pieces of a document (one tile under no_mask)
-            layout = spec_layout(case.spec(), sh.s, ring)
-            held = collections.Counter()
-            for r, pieces in enumerate(layout.ranks):
-                for p in pieces:
-                    held[(r, p.doc)] += p.stop - p.start
-            rows, keys = max(((n, layout.docs[doc]) for (_, doc), n in held.items()), key=lambda rk: rk[0] * rk[1])
+        # on the heads a rank keeps after the inner a2a; a2a alone is a ring of one rank (c = s / 2)
+        rows, keys = largest_tile(case.spec(), sh.s, ring, gather)
         device += 3 * sh.b * max(1, sh.h // members) * rows * keys * acc   # its scores, probabilities, gradient
     return host, device
+
+
+def largest_tile(spec: AttnSpec, s: int, ring: int, gather: bool) -> tuple[int, int]:
+    """(rows, keys) of the largest tile of a ring of ``ring`` ranks: step 0's 2c x 2c (every tile
+    under no_mask) of the longest document; under allgather a chunk's rows against its whole
+    document (a piece's, in the balanced layout)."""
+    chunk = max(1, max(spec.docs, default=s) // (2 * ring))   # of the longest document
+    rows, keys = 2 * chunk, (2 * ring * chunk if gather else 2 * chunk)
+    if spec.pack_layout is PackLayout.BALANCED:   # a rank's pieces of a document (one tile under no_mask)
+        layout = spec_layout(spec, s, ring)
+        held = collections.Counter()
+        for r, pieces in enumerate(layout.ranks):
+            for p in pieces:
+                held[(r, p.doc)] += p.stop - p.start
+        rows, keys = max(((n, layout.docs[doc]) for (_, doc), n in held.items()), key=lambda rk: rk[0] * rk[1])
+    return rows, keys
 
 
 def check_memory(groups: list, ranks: int, device: str, reference: bool, procs: Optional[int] = None,
@@ -317,6 +325,65 @@ def check_memory(groups: list, ranks: int, device: str, reference: bool, procs: 
         raise ValueError(f"this run needs {about} {_gib(dev_need * per_gpu)} of GPU memory per GPU "
                          f"({_gib(dev_need)} per rank x {per_gpu} rank(s) per GPU) and {_gib(device_free)} is "
                          f"free; {fix}")
+
+
+def replay_need(shape: Shape, spec: AttnSpec, cp: int, members: int, schedules, held: int) -> int:
+    """Bytes, at most, that ``sinkprof emulate`` holds while it replays ``spec`` on ``cp`` ranks in
+    inner a2a groups of ``members`` under ``schedules``: every rank's tensors are in this one
+    process, all fp64. ``held``: the elements of the run's largest result (``_replay_result``),
+    which the previous row's reference and replay still hold while the next are computed.
+
+    While the reference runs (``testing.reference``): the inputs (q, k, v, dO), the previous row's
+    reference and replay, the new results, a per-head dK or dV product before its sum over the
+    group, and its score blocks (four at once). While the replay runs (``emulate.emulate_ring``):
+    the inputs, the reference, the previous row's replay, every rank's shards, outputs and
+    gradients, their unsharded copies (a pack's joined before it is reordered), one rank's
+    forward buffers (``ring.ForwardState``), step buffers of at most the sequence's K/V and dK/dV
+    (a gathered step's, or a rank's joined runs), and the largest torch tile's scores,
+    probabilities, dP, dP - delta and dS at once (``TorchTiles.backward``)."""
+    b = 1 if spec.qkv_format is QKVFormat.THD else shape.b
+    q, kv, lse = b * shape.s * shape.h * shape.d, b * shape.s * shape.g * shape.d, b * shape.h * shape.s
+    full, result = 2 * q + 2 * kv, _replay_result(shape, spec)
+    per_row = b * shape.h * shape.s * 8
+    blocks = 4 * max(1, min(shape.s, REFERENCE_BLOCK // per_row)) * per_row
+    reference = 8 * (full + 2 * held + result + q + kv) + blocks
+    ring = cp // members
+    layout = spec_layout(spec, shape.s, ring)
+    kinds = set()
+    for k in schedules:   # auto as ``_kinds`` reads it: ring or direct on a zigzag ring of two ranks or more
+        kind = planless_kv_schedule(k, layout.kind) if ring > 1 else KVSchedule.RING
+        kinds |= {KVSchedule.RING, KVSchedule.DIRECT} if kind is KVSchedule.AUTO else {kind}
+    rows, keys = largest_tile(spec, shape.s, ring, KVSchedule.ALLGATHER in kinds)
+    # a joined run's one tile reads every step of the run (``plan.join_runs``: direct, one sequence, rows outermost)
+    if KVSchedule.DIRECT in kinds and len(spec.docs) <= 1 and (b == 1 or spec.qkv_format is not QKVFormat.BSHD):
+        keys = max(keys, min(RUN_ROWS, (ring - 1) * rows))
+    tile = 5 * b * (shape.h // members) * rows * keys
+    state = (min(PARTS, 2 * (ring - 1)) + 1) * (q + lse) // cp   # its buffers of later results and accumulator
+    replay = full + result + held + full + 2 * result + (q if spec.docs else 0) + state + 4 * kv // members + tile
+    return max(reference, 8 * replay)
+
+
+def _replay_result(shape: Shape, spec: AttnSpec) -> int:
+    """Elements of a replay's or its reference's result: out, dq, dk, dv and lse (a thd pack is b = 1)."""
+    b = 1 if spec.qkv_format is QKVFormat.THD else shape.b
+    return b * shape.s * ((2 * shape.h + 2 * shape.g) * shape.d + shape.h)
+
+
+def check_replay_memory(shape: Shape, specs: list, cps, members: int, schedules,
+                        host_free: Optional[int] = None) -> None:
+    """Refuse a replay (``sinkprof emulate``) that cannot fit in this process: the largest
+    ``replay_need`` over its layouts and masks (``specs``) and its cps, against the host memory
+    available now (this process's own is in use already)."""
+    host_free = host_available() if host_free is None else host_free
+    held = max(_replay_result(shape, s) for s in specs)
+    need, spec, cp = max(((replay_need(shape, s, c, members, schedules, held), s, c) for s in specs for c in cps),
+                         key=lambda item: item[0])
+    if need <= host_free:
+        return
+    fix = ("shorten the pack or its longest document (--seqlens, or --seq-len with more --docs), or lower --heads, "
+           "--kv-heads or --head-dim" if spec.docs else "lower --seq-len, --batch, --heads, --kv-heads or --head-dim")
+    raise ValueError(f"this run needs up to about {_gib(need)} of host memory (largest: --qkv-format "
+                     f"{spec.qkv_format.value} at --cp {cp}, s={shape.s}) and {_gib(host_free)} is available; {fix}")
 
 
 def _about(least: int, most: int) -> str:
