@@ -260,18 +260,21 @@ def test_report_reads_a_csv_of_an_older_version(csvs, tmp_path):
 
 def test_markup_in_cells_prints_as_written_and_git_sha_keeps_its_zeros(csvs, tmp_path):
     df = pd.read_csv(csvs[0], dtype={"git_sha": str})
-    df["backend"] = "[/]"
-    df["dtype"] = "[link=https://example.com]x[/link]"
+    df["device_name"] = "[link=https://example.com]x[/link]"
     df["git_sha"] = "0012abc"
     odd = tmp_path / "odd.csv"
     df.to_csv(odd, index=False)
     assert (load([odd])["git_sha"] == "0012abc").all()
     res = _report(odd, "--html", tmp_path / "odd.html")
     assert res.exit_code == 0, res.output
-    flat = "".join(res.stdout.split())
-    assert "([/])" in flat and "[link=https://example.com]x[/link]" in flat and "\x1b]8;" not in res.stdout
     page = (tmp_path / "odd.html").read_text()
     assert "git 0012abc" in page and "[link=https://example.com]x[/link]" in page and "<a " not in page
+    # a case column holds what bench writes: markup there is refused, and the message shows it as written
+    for col, cell in (("backend", "[/]"), ("dtype", "[link=https://example.com]x[/link]")):
+        pd.read_csv(csvs[0]).assign(**{col: cell}).to_csv(odd, index=False)
+        res = _report(odd)
+        assert res.exit_code == 2, res.output
+        assert f"column {col} of data row 1 is {cell!r}" in " ".join(res.stderr.split()) and "\x1b]8;" not in res.stderr
 
 
 def test_predicted_rows_are_labelled_as_predictions(csvs, tmp_path):
@@ -582,3 +585,165 @@ def test_stdout_into_an_input_csv_is_refused(csvs, tmp_path):
     res = _cli("report", mine, "--chrome-trace", "/dev/stdout", f"> {tmp_path / 'trace.json'}")
     assert res.returncode == 0, res.stderr
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+@pytest.fixture(scope="module")
+def a2a_csv(tmp_path_factory):
+    """A real 2-rank a2a run: its a2a rows (step -1) repeat rank, iteration, phase, step and kind."""
+    path = tmp_path_factory.mktemp("a2a") / "a2a.csv"
+    res = run_cli("bench", "--comm", "a2a", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp32",
+                  "--seq-len", "64", "--warmup", "0", "--iters", "2", "--csv", str(path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    return path
+
+
+def _cells(csv, path: Path, row: int = 2, **cells) -> Path:
+    """``csv`` with ``cells`` (column -> text) set in the data row ``row`` (0-based; every row for
+    None), each other cell as written."""
+    df = pd.read_csv(csv, dtype=str, keep_default_na=False)
+    for col, value in cells.items():
+        df.loc[slice(None) if row is None else row, col] = value
+    df.to_csv(path, index=False)
+    return path
+
+
+# A cell bench never writes (column -> text, in data row 3), and what the refusal says of it.
+BAD_CELLS = [
+    ({"h": "two"}, "column h of data row 3 is 'two', not a whole number"),
+    ({"cp": "abc"}, "column cp of data row 3 is 'abc', not a whole number"),
+    ({"b": "0"}, "column b of data row 3 is 0, below its least value 1"),
+    ({"s": "-64"}, "column s of data row 3 is -64, below its least value 1"),
+    ({"g": ""}, "column g of data row 3 is empty, not a whole number"),
+    ({"window": "wide"}, "column window of data row 3 is 'wide', not a window of mask causal: window='wide' must be "
+                         "a pair LEFT,RIGHT of ints"),
+    ({"window": "128,5"}, "column window of data row 3 is '128,5', not a window of mask causal: window right=5 "
+                          "contradicts mask='causal'"),
+    ({"dtype": "fp33"}, "column dtype of data row 3 is 'fp33', not one of fp64, fp32, bf16, fp16"),
+    ({"comm": "p3p"}, "column comm of data row 3 is 'p3p', not one of p2p, a2a, a2a+p2p"),
+    ({"softmax": ""}, "column softmax of data row 3 is empty, not one of vanilla, off-by-one, learnable"),
+    ({"mask": "Causal"}, "column mask of data row 3 is 'Causal', not one of causal, no_mask"),
+    ({"sink_strategy": "every-tile"}, "column sink_strategy of data row 3 is 'every-tile', not one of step0, "
+                                      "post-merge (or empty)"),
+    ({"kv_schedule": "auto"}, "column kv_schedule of data row 3 is 'auto', not one of ring, direct, allgather "
+                              "(or empty)"),
+    ({"backend": "te"}, "column backend of data row 3 is 'te', not one of torch, cudnn, fa4"),
+    ({"simulated": "maybe"}, "column simulated of data row 3 is 'maybe', not True or False"),
+    ({"run_id": ""}, "column run_id of data row 3 is empty, not a run id"),
+    ({"rank": "5"}, "column rank of data row 3 is 5, not a rank of its run: column cp says 2 ranks, 0 to 1"),
+    ({"start_ms": "1e6"}, "data row 3 ends before it starts: column start_ms is 1000000.0"),
+    ({"overlap_ms": "-1"}, "column overlap_ms of data row 3 is -1, below its least value 0"),
+    ({"exposed_ms": "-0.5"}, "column exposed_ms of data row 3 is -0.5, below its least value 0"),
+]
+
+
+@pytest.mark.parametrize("cells, says", BAD_CELLS,
+                         ids=["-".join(f"{k}={v}" for k, v in cells.items()) for cells, _ in BAD_CELLS])
+def test_a_case_cell_bench_never_writes_is_named_not_split_off_into_a_case_of_its_own(csvs, tmp_path, cells, says):
+    """Such a row was a case of its own, dropped from the tables (exit 0, its case's numbers changed)."""
+    bad = _cells(csvs[0], tmp_path / "bad.csv", **cells)
+    res = _report(bad)
+    message = " ".join(res.stderr.split())
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"{bad}: {says}" in message, message
+    assert "ms/iter" not in res.stdout   # no numbers at all, rather than wrong ones
+
+
+@pytest.mark.parametrize("cp, says", [("0", "column cp of data row 1 is 0, below its least value 1"),
+                                      ("abc", "column cp of data row 1 is 'abc', not a whole number")])
+def test_a_cp_column_of_no_ranks_is_named_not_infinite_throughput(csvs, tmp_path, cp, says):
+    """``cp`` 0 in every row printed ``inf TFLOP/s`` (and --plot failed on infinite axis limits);
+    ``abc`` said ``could not convert string to float`` without the file or the column."""
+    bad = _cells(csvs[0], tmp_path / "bad.csv", row=None, cp=cp)
+    res = _report(bad, "--plot", tmp_path / "plots")
+    assert res.exit_code == 2 and f"{bad}: {says}" in " ".join(res.stderr.split()), res.output
+    assert "inf" not in res.stdout and "Warning" not in res.output and not (tmp_path / "plots").exists()
+
+
+def test_a_span_given_twice_is_refused_not_counted_twice(csvs, a2a_csv, tmp_path):
+    """A file appended to itself (``(cat a.csv; tail -n +2 a.csv)``) doubled every step's compute,
+    communication and MB sent, exit 0. An a2a step's messages share rank, iteration, phase, step
+    and kind; their starts tell them apart."""
+    text = Path(csvs[0]).read_text()
+    rows = len(text.splitlines()) - 1
+    twice = tmp_path / "twice.csv"
+    twice.write_text(text + "".join(text.splitlines(keepends=True)[1:]))
+    res = _report(twice)
+    assert res.exit_code == 2, res.output
+    assert (f"{twice}: data rows 1 and {rows + 1} are one span twice (run {pd.read_csv(csvs[0])['run_id'][0]}, "
+            f"rank 0, iteration 0, fwd step 0 compute from ") in " ".join(res.stderr.split())
+    a2a = pd.read_csv(a2a_csv)
+    messages = a2a[a2a["kind"] == "a2a"]
+    assert messages.duplicated(["rank", "iteration", "phase", "step", "kind"]).any()   # the case this guards
+    res = _report(a2a_csv)
+    assert res.exit_code == 0, res.output
+    one_more = tmp_path / "a2a.csv"
+    pd.concat([a2a, messages.iloc[[1]]]).to_csv(one_more, index=False)
+    res = _report(one_more)
+    assert res.exit_code == 2, res.output
+    assert f"data rows {messages.index[1] + 1} and {len(a2a) + 1} are one span twice" in " ".join(res.stderr.split())
+    untimed = _minimal(a2a_csv, tmp_path / "untimed.csv")   # no start_ms: told apart by their durations
+    assert _report(untimed).exit_code == 0
+
+
+def test_a_csv_of_step_rows_only_reports_its_steps_and_says_why_there_are_no_iterations(csvs, a2a_csv, tmp_path):
+    """Without iteration rows the report was empty, exit 0 (and --plot left summary.png out
+    silently); next to a case with them, the case was left out of the tables and --plot failed
+    with a KeyError."""
+    full = pd.read_csv(csvs[0])
+    steps = tmp_path / "steps.csv"
+    full[full["kind"] != "iteration"].to_csv(steps, index=False)
+    res = _report(steps, "--plot", tmp_path / "plots")
+    assert res.exit_code == 0, res.output
+    notes = [line for line in res.stderr.splitlines() if "no iteration rows" in line]
+    assert notes == [f"sinkprof report: {steps} has 1 case with per-step rows only, no iteration rows (kind "
+                     f"iteration, which sinkprof bench --csv writes for every rank and iteration): its wall time, "
+                     f"FLOP/s and exposed share are unknown, and no summary figure is drawn; the rest of the report "
+                     f"is written"], res.stderr
+    text = " ".join(res.stdout.split())
+    assert "no iteration rows (wall time, FLOP/s and exposed share unknown)" in text and "compute ms per rank" in text
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [f"{SLUG}-bwd.png", f"{SLUG}-fwd.png"]
+    a2a = pd.read_csv(a2a_csv)
+    a2a_steps = tmp_path / "a2a-steps.csv"
+    a2a[a2a["kind"] != "iteration"].to_csv(a2a_steps, index=False)
+    res = _report(csvs[0], a2a_steps, "--plot", tmp_path / "both", "--html", tmp_path / "both.html")
+    assert res.exit_code == 0, res.output
+    assert "left out of the summary figure" in res.stderr
+    text = " ".join(res.stdout.split())
+    assert "ms/iter" in text and text.count("compute ms per rank") == 2
+    names = {p.name for p in (tmp_path / "both").iterdir()}
+    assert "summary.png" in names and any(n.startswith("a2a-") for n in names), names
+    assert (tmp_path / "both.html").read_text().count("<h2") == 2
+
+
+def test_an_empty_path_and_stdin_are_named_as_what_they_are(tmp_path):
+    """``report ""`` read the current folder (``: a folder, not a CSV file``); ``report -`` said
+    ``-: no such CSV file``."""
+    for arg, says in (("", "'': an empty path, not a CSV file; name the bench CSV"),
+                      ("-", "-: report reads no CSV from stdin; name the CSV file")):
+        res = _report(arg)
+        assert res.exit_code == 2 and says in " ".join(res.stderr.split()), res.output
+
+
+def test_no_picture_overwrites_the_page_the_trace_or_an_input(csvs, tmp_path):
+    """``--plot p --html p/summary.png`` left the page where the summary picture was (exit 0)."""
+    mine = tmp_path / "mine.csv"
+    shutil.copy(csvs[0], mine)
+    before = mine.read_bytes()
+    plots = tmp_path / "plots"
+    for args, says in (
+            (("--html", plots / "summary.png"), f"--html {plots / 'summary.png'} and the picture summary.png of "
+                                                f"--plot {plots} would both write {plots / 'summary.png'}"),
+            (("--chrome-trace", plots / f"{SLUG}-fwd.png"), f"--chrome-trace {plots / f'{SLUG}-fwd.png'} and the "
+                                                            f"picture {SLUG}-fwd.png of --plot {plots} would both "
+                                                            f"write")):
+        res = _report(mine, "--plot", plots, *args)
+        assert res.exit_code == 2, res.output
+        assert says in " ".join(res.stderr.split())
+        assert not plots.exists() or not list(plots.iterdir())   # nothing written
+    plots.mkdir(exist_ok=True)
+    (plots / "summary.png").symlink_to(mine)
+    res = _report(mine, "--plot", plots)
+    assert res.exit_code == 2, res.output
+    assert (f"the picture summary.png of --plot {plots} is the CSV {mine} being read: it would be overwritten; "
+            f"write the pictures into another folder") in " ".join(res.stderr.split())
+    assert mine.read_bytes() == before and [p.name for p in plots.iterdir()] == ["summary.png"]

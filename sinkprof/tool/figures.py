@@ -17,8 +17,8 @@ from typing import Optional
 
 import pandas as pd
 
-from .report import (CASE_KEYS, COMM_KINDS, STEP_KINDS, TIME_COLUMNS, beside, exposed_spans, flops_unit,
-                     iteration_table, label, run_part, slugs)
+from .report import (CASE_KEYS, COMM_KINDS, STEP_KINDS, TIME_COLUMNS, beside, case_rows, exposed_spans,
+                     flops_unit, iteration_table, label, run_part, slugs)
 
 COMPUTE = "#4C72B0"
 HIDDEN = "#55A868"
@@ -47,8 +47,7 @@ def draw(df: pd.DataFrame) -> Pictures:
     import matplotlib
     matplotlib.use("Agg")
     its = iteration_table(df)
-    cases = its if not its.empty else df.drop_duplicates(CASE_KEYS)
-    pictures = Pictures(slugs(cases.assign(predicted=cases.get("predicted", False))))
+    pictures = Pictures(slugs(case_rows(df, its)))
     for case, rows in df.groupby(CASE_KEYS, sort=False):
         # A timeline places spans by their times: rows without them (an older CSV) are not drawn.
         steps = rows[rows["kind"].isin(STEP_KINDS)].dropna(subset=list(TIME_COLUMNS))

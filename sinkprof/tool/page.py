@@ -10,8 +10,8 @@ from html import escape
 import pandas as pd
 
 from .figures import Pictures
-from .report import (CASE_KEYS, case_key, flops_text, iteration_table, label, mb_text, num_text, rank_table,
-                     select, sent_text, step_table)
+from .report import (CASE_KEYS, case_key, case_rows, flops_text, iteration_table, label, mb_text, num_text,
+                     rank_table, select, sent_text, step_table)
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1250px; color: #222; }
@@ -72,14 +72,13 @@ def page(df: pd.DataFrame, pictures: Pictures, sources: list) -> str:
                               r["phase"], f"{r['wall_ms']:.3f}", flops_text(r["tflops_per_gpu"], r["per"]),
                               num_text(r["exposed_comm_ms"]), num_text(r["exposed_pct"], ".1f"), mb_text(r["sent_mb"])]
                              for _, r in its.iterrows()], text_cols=1))
-    cases = its if not its.empty else df.drop_duplicates(CASE_KEYS)
-    for _, row in cases.iterrows():
+    for _, row in case_rows(df, its).iterrows():
         key = case_key(row)
         case = tuple(row[k] for k in CASE_KEYS)
         badge = '<span class="prediction">prediction</span> ' if row.get("predicted", False) else ""
         parts.append(f"<h2 id='{escape(pictures.slugs[case])}'>{badge}"
                      f"{escape(label(row).removeprefix('PREDICTION '))}</h2>")
-        if "wall_ms" in row:
+        if pd.notna(row.get("wall_ms")):
             exposed = ("unknown (no exposed_ms or times)" if row["exposed_comm_ms"] != row["exposed_comm_ms"] else
                        f"{row['exposed_comm_ms']:.3f} ms ({num_text(row['exposed_pct'], '.1f')}%)")
             parts.append(f"<p>{escape(str(row['phase']))}: {row['wall_ms']:.3f} ms per iteration (slowest rank), "

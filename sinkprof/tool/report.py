@@ -20,12 +20,15 @@ import os
 import re
 import stat
 import sys
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Optional
 
 import pandas as pd
 
+from ..options import Backend, MaskType, PackLayout, parse_window, window_pair
+from .cases import ALL
 from .output import STDOUT, Output, same_target, typed, write_bytes, write_text
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h", "g", "d", "cp",
@@ -47,19 +50,43 @@ OPTIONAL_COLUMNS = {
 }
 # Read as text, whatever they look like (a git sha "0123abc" keeps its leading zero).
 TEXT_COLUMNS = ("run_id", "timestamp", "phase", "kind", "comm", "softmax", "sink_strategy", "mask", "window",
-                "docs", "pack_layout", "dtype", "backend", "merges", "a2a_size", "device_name", "torch", "cudnn", "nccl", "sinkprof",
-                "git_sha")
-INT_COLUMNS = ("rank", "iteration", "step")
+                "docs", "pack_layout", "dtype", "kv_schedule", "backend", "merges", "a2a_size", "device_name", "torch",
+                "cudnn", "nccl", "sinkprof", "git_sha")
+SHAPE_COLUMNS = ("b", "s", "h", "g", "d", "cp")
+INT_COLUMNS = ("rank", "iteration", "step") + SHAPE_COLUMNS
 FLOAT_COLUMNS = ("dur_ms", "start_ms", "end_ms", "overlap_ms", "exposed_ms", "flops", "bytes")
 BOOL_COLUMNS = ("simulated", "predicted")
+TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")   # a bool cell, any case ("True" as Python writes it)
+# The least value of each number column: no count, time or size is negative, and a case has at
+# least one of each dimension and rank.
+LEAST = (("rank", 0), ("iteration", 0), ("step", -1), ("dur_ms", 0), ("overlap_ms", 0), ("exposed_ms", 0),
+         ("bytes", 0), ("flops", 0)) + tuple((col, 1) for col in SHAPE_COLUMNS)
+# The values of each categorical column: the row kinds, and for the case columns what bench writes
+# (``cases.ALL``: what a user may ask for; the kernel that ran, auto resolved), "" where it leaves a
+# cell empty (no sink for vanilla, no ring for a2a, no pack). Any other value would make its rows a
+# case of their own, dropped from the case they belong to.
+CHOICES = {
+    "phase": PHASES, "kind": STEP_KINDS + ("iteration",),
+    "comm": ALL["comm"], "softmax": ALL["softmax"], "mask": ALL["mask"], "dtype": ALL["dtype"],
+    "sink_strategy": ALL["sink_strategy"] + ("",), "kv_schedule": ALL["kv_schedule"] + ("",),
+    "pack_layout": tuple(p.value for p in PackLayout) + ("",),
+    "backend": tuple(b.value for b in Backend if b is not Backend.AUTO),
+}
+# What makes a row one span: its case, rank, iteration, phase, step and kind, and its start (an a2a
+# step sends several messages) and duration (which tells them apart in a CSV without start_ms).
+SPAN_KEYS = CASE_KEYS + ["rank", "iteration", "phase", "step", "kind", "start_ms", "dur_ms"]
 
 
 def _truth(value) -> bool:
-    return str(value).strip().lower() in ("true", "1", "yes")
+    return str(value).strip().lower() in TRUE
 
 
 def _read_one(path) -> pd.DataFrame:
     """One bench CSV, checked; a ValueError names the file and says what is wrong with it."""
+    if str(path) == "":   # Path("") is ".", the current folder
+        raise ValueError("'': an empty path, not a CSV file; name the bench CSV")
+    if str(path) == "-":
+        raise ValueError("-: report reads no CSV from stdin; name the CSV file (a command's output as <(command))")
     p = Path(path)
     try:
         if p.is_dir():
@@ -76,7 +103,7 @@ def _read_one(path) -> pd.DataFrame:
         raise ValueError(f"{path}: a binary file, not a sinkprof bench CSV")
     try:
         df = pd.read_csv(io.BytesIO(data), keep_default_na=False, na_values=[""],
-                         dtype={c: str for c in TEXT_COLUMNS + INT_COLUMNS})
+                         dtype={c: str for c in TEXT_COLUMNS + INT_COLUMNS + BOOL_COLUMNS})
         short = _short_row(data.decode())
     except (UnicodeDecodeError, csv.Error, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise ValueError(f"{path}: not a sinkprof bench CSV ({str(exc).splitlines()[0]})") from None
@@ -110,18 +137,74 @@ def _read_one(path) -> pd.DataFrame:
                              f"{'empty' if pd.isna(cell) else repr(cell) if isinstance(cell, str) else cell}, not a "
                              f"finite number")
         df[col] = values.astype(float)
-    for col, allowed in (("phase", PHASES), ("kind", STEP_KINDS + ("iteration",))):
-        bad = ~df[col].isin(allowed)
-        if bad.any():
-            row = int(bad.to_numpy().nonzero()[0][0])
-            raise ValueError(f"{path}: column {col} of data row {row + 1} is {df[col].iloc[row]!r}, "
-                             f"not one of {', '.join(allowed)}")
-    for col, least in (("rank", 0), ("iteration", 0), ("step", -1), ("dur_ms", 0), ("bytes", 0), ("flops", 0)):
+    _check_text(path, df)
+    for col, least in LEAST:
         if col in df.columns and (df[col] < least).any():
             row = int((df[col] < least).to_numpy().nonzero()[0][0])
             cell = written[col].iloc[row].strip() if col in written else f"{df[col].iloc[row]:g}"
             raise ValueError(f"{path}: column {col} of data row {row + 1} is {cell}, below its least value {least}")
+    if "cp" in df.columns and (df["rank"] >= df["cp"]).any():
+        row = int((df["rank"] >= df["cp"]).to_numpy().nonzero()[0][0])
+        cp = df["cp"].iloc[row]
+        raise ValueError(f"{path}: column rank of data row {row + 1} is {df['rank'].iloc[row]}, not a rank of its "
+                         f"run: column cp says {cp} ranks, 0 to {cp - 1}")
+    if {"start_ms", "end_ms"} <= set(df.columns) and (df["start_ms"] > df["end_ms"]).any():
+        row = int((df["start_ms"] > df["end_ms"]).to_numpy().nonzero()[0][0])
+        raise ValueError(f"{path}: data row {row + 1} ends before it starts: column start_ms is "
+                         f"{df['start_ms'].iloc[row]}, column end_ms {df['end_ms'].iloc[row]}; a span's start_ms "
+                         f"is at most its end_ms")
+    _check_repeats(path, df)
     return df
+
+
+def _check_text(path, df: pd.DataFrame) -> None:
+    """The text cells: a run id in every row, a known value in each categorical column
+    (``CHOICES``) and bool column, a window as ``options`` takes one; a ValueError names the first
+    cell that is not."""
+    def refuse(col: str, row: int, why: str):
+        cell = df[col].iloc[row]
+        shown = "empty" if pd.isna(cell) or not cell.strip() else repr(cell)
+        raise ValueError(f"{path}: column {col} of data row {row + 1} is {shown}, {why}")
+
+    blank = df["run_id"].isna() | (df["run_id"].str.strip() == "")
+    if blank.any():
+        refuse("run_id", int(blank.to_numpy().nonzero()[0][0]), "not a run id: every row names the run that "
+               "wrote it, as bench does (e.g. 20261203-075527-040e0d)")
+    for col in (c for c in CHOICES if c in df.columns):
+        bad = ~df[col].fillna("").isin(CHOICES[col])
+        if bad.any():
+            named = ", ".join(v for v in CHOICES[col] if v)
+            refuse(col, int(bad.to_numpy().nonzero()[0][0]),
+                   f"not one of {named}{' (or empty)' if '' in CHOICES[col] else ''}")
+    for col in (c for c in BOOL_COLUMNS if c in df.columns):
+        bad = ~df[col].fillna("").str.strip().str.lower().isin(TRUE + FALSE)
+        if bad.any():
+            refuse(col, int(bad.to_numpy().nonzero()[0][0]), "not True or False")
+    if "window" in df.columns:   # one check per window and mask: a causal window's right side is 0 or -1
+        masks = df["mask"] if "mask" in df.columns else MaskType.NO_MASK.value
+        pairs = df[["window"]].assign(mask=masks).dropna(subset=["window"]).drop_duplicates()
+        for row, window, mask in pairs.itertuples():
+            try:
+                parse_window(window_pair(window), MaskType.parse(mask, "mask"))
+            except ValueError as exc:
+                refuse("window", row, f"not a window of mask {mask}: {exc}")
+
+
+def _check_repeats(path, df: pd.DataFrame) -> None:
+    """No span twice (``SPAN_KEYS``): a file appended to itself would count every time and byte twice."""
+    keys = [k for k in SPAN_KEYS if k in df.columns]
+    repeat = df.duplicated(keys)
+    if repeat.any():
+        second = int(repeat.to_numpy().nonzero()[0][0])
+        spans = df.groupby(keys, dropna=False, sort=False).ngroup()
+        first = int((spans == spans.iloc[second]).to_numpy().nonzero()[0][0])
+        r = df.iloc[second]
+        start = r.get("start_ms", float("nan"))
+        at = "" if pd.isna(start) else f" from {start} ms"
+        raise ValueError(f"{path}: data rows {first + 1} and {second + 1} are one span twice (run {r['run_id']}, "
+                         f"rank {r['rank']}, iteration {r['iteration']}, {r['phase']} step {r['step']} {r['kind']}"
+                         f"{at}): its times and bytes would count twice; remove the repeated row (a file appended "
+                         f"to itself?)")
 
 
 INT64 = (-2 ** 63, 2 ** 63 - 1)
@@ -270,14 +353,19 @@ def stepless_cases(df: pd.DataFrame) -> list:
     return [case for case, any_step in has_steps.items() if not any_step]
 
 
+def _files_of(df: pd.DataFrame, cases: list) -> list:
+    """The files (as given) that hold rows of ``cases``."""
+    runs = {case[CASE_KEYS.index("run_id")] for case in cases}
+    return [path for path, ids in df.attrs.get("runs", {}).items() if ids & runs]
+
+
 def stepless_note(df: pd.DataFrame, left_out: list) -> Optional[str]:
     """One line for stderr when some cases have iteration rows only: which files hold them and
     what ``left_out`` of them (besides the per-step tables); None when every case has step rows."""
     cases = stepless_cases(df)
     if not cases:
         return None
-    runs = {case[CASE_KEYS.index("run_id")] for case in cases}
-    files = [path for path, ids in df.attrs.get("runs", {}).items() if ids & runs]
+    files = _files_of(df, cases)
     one = len(cases) == 1
     what = ["per-step table" if one else "per-step tables", *left_out]
     what = " and ".join([", ".join(what[:-1]), what[-1]] if len(what) > 1 else what)
@@ -287,6 +375,40 @@ def stepless_note(df: pd.DataFrame, left_out: list) -> Optional[str]:
             f"or {STEP_KINDS[-1]}, which sinkprof bench --csv writes for every ring step): {its} {what} "
             f"{'is' if what == 'per-step table' else 'are'} left out, and {its} exposed communication is unknown; "
             f"the rest of the report is written")
+
+
+def iterationless_cases(df: pd.DataFrame) -> list:
+    """The cases (tuples of CASE_KEYS) with ring-step rows but no iteration row (a CSV cut down to
+    its steps): their per-step tables, timelines and trace events are shown, their wall time,
+    FLOP/s and exposed share are unknown."""
+    has_its = (df["kind"] == "iteration").groupby([df[k] for k in CASE_KEYS], sort=False).any()
+    return [case for case, any_it in has_its.items() if not any_it]
+
+
+def iterationless_note(df: pd.DataFrame, figure: bool) -> Optional[str]:
+    """One line for stderr when some cases have no iteration rows: which files hold them, and what
+    is unknown of them (``figure``: and that the summary figure leaves them out); None when every
+    case has iteration rows."""
+    cases = iterationless_cases(df)
+    if not cases:
+        return None
+    files = _files_of(df, cases)
+    one = len(cases) == 1
+    drawn = "" if not figure else (" and left out of the summary figure" if (df["kind"] == "iteration").any()
+                                   else ", and no summary figure is drawn")
+    return (f"sinkprof report: {', '.join(files)} {'has' if len(files) == 1 else 'have'} {len(cases)} "
+            f"case{'' if one else 's'} with per-step rows only, no iteration rows (kind iteration, which sinkprof "
+            f"bench --csv writes for every rank and iteration): {'its' if one else 'their'} wall time, FLOP/s and "
+            f"exposed share are unknown{drawn}; the rest of the report is written")
+
+
+def case_rows(df: pd.DataFrame, its: pd.DataFrame) -> pd.DataFrame:
+    """The cases to show, in order: the rows of ``its`` (``iteration_table``: a case and phase each),
+    then one row of each case without iteration rows (CASE_KEYS and ``predicted``, its ``wall_ms``
+    NaN)."""
+    rest = pd.DataFrame(iterationless_cases(df), columns=CASE_KEYS)
+    rest = rest.merge(_predicted(df, CASE_KEYS).reset_index(), on=CASE_KEYS, how="left")
+    return pd.concat([its, rest], ignore_index=True) if not its.empty else rest
 
 
 def _predicted(rows: pd.DataFrame, keys: list) -> pd.Series:
@@ -610,18 +732,20 @@ def summarize(df: pd.DataFrame, console) -> None:
     (a cell holding ``[/]`` or ``[link=...]`` prints as written)."""
     from rich.table import Table
     from rich.text import Text
-    its = iteration_table(df)
     steps = step_table(df)
     ranks = rank_table(df)
-    for _, row in its.iterrows():
+    for _, row in case_rows(df, iteration_table(df)).iterrows():
         key = case_key(row)
-        title = (f"{label(row)}: {row['phase']} {row['wall_ms']:.3f} ms/iter (slowest rank), "
-                 f"{flops_text(row['tflops_per_gpu'], row['per'])}, {exposed_text(row['exposed_pct'])}"
-                 + sent_text(row["sent_mb"]))
-        table = Table(title=Text(title))
         sel = select(steps, key)
-        if not sel.empty and row["phase"] != "fwdbwd":
-            sel = sel[sel["phase"] == row["phase"]]
+        if pd.isna(row.get("wall_ms")):   # no iteration rows: every phase's steps
+            title = f"{label(row)}: no iteration rows (wall time, FLOP/s and exposed share unknown)"
+        else:
+            title = (f"{label(row)}: {row['phase']} {row['wall_ms']:.3f} ms/iter (slowest rank), "
+                     f"{flops_text(row['tflops_per_gpu'], row['per'])}, {exposed_text(row['exposed_pct'])}"
+                     + sent_text(row["sent_mb"]))
+            if not sel.empty and row["phase"] != "fwdbwd":
+                sel = sel[sel["phase"] == row["phase"]]
+        table = Table(title=Text(title))
         predicted = bool(row["predicted"])
         for col in ("phase", "step", "compute ms", "comm ms", "overlap ms", "exposed ms", "sent MB") + (
                 ("source",) if predicted else ()):
@@ -678,17 +802,19 @@ def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), htm
     written = []
     left_out = [what for what, wanted in (("timelines", plot_dir or html),
                                           ("Chrome trace events", chrome_trace)) if wanted]
-    notes = [untimed_note(df, " and ".join(left_out)) if left_out else None, stepless_note(df, left_out)]
+    notes = [untimed_note(df, " and ".join(left_out)) if left_out else None, stepless_note(df, left_out),
+             iterationless_note(df, bool(plot_dir or html))]
     for note in filter(None, notes):
         print(note, file=sys.stderr)
     if plot_dir or html:
         from . import figures
         pictures = figures.draw(df)
         if plot_dir:
-            for name, png in pictures.files().items():
-                path = Path(plot_dir) / name
+            files = {str(Path(plot_dir) / name): png for name, png in pictures.files().items()}
+            check_pictures(paths, plot_dir, list(files), html, chrome_trace)
+            for path, png in files.items():
                 write_bytes(path, png)   # a failure is an OutputError naming the picture
-                written.append(str(path))
+                written.append(path)
         if html:
             from .page import page
             _write(html, page(df, pictures, [str(p) for p in paths]))
@@ -704,20 +830,42 @@ def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), htm
     return written
 
 
+@dataclass(frozen=True)
+class OutputFile:
+    """A file the report writes: ``path`` (``-`` for stdout); ``what`` names it in a message
+    (``--html page.html``, ``the picture summary.png of --plot plots``) and ``elsewhere`` says how
+    to move it."""
+
+    what: str
+    path: str
+    elsewhere: str = "write it elsewhere"
+
+
+def _options(html: Optional[str], chrome_trace: Optional[str]) -> list:
+    """The page and the trace, named as typed (``/dev/stdout``, not the ``-`` that
+    ``output.settle`` made of it)."""
+    return [OutputFile(f"{option} {typed(out)}", out)
+            for option, out in (("--html", html), ("--chrome-trace", chrome_trace)) if out is not None]
+
+
+def _refuse_overlaps(paths, files: list, others: list = ()) -> None:
+    """No two of ``files``, nor one of them and one of ``others``, write one file (stdout, or one
+    target through symlinks), and none writes an input CSV."""
+    for i, new in enumerate(files):
+        for old in [*others, *files[:i]]:
+            if new.path == old.path == STDOUT or same_target(new.path, old.path):
+                where = "stdout" if new.path == STDOUT else typed(new.path)
+                raise ValueError(f"{old.what} and {new.what} would both write {where}: give them different files")
+        for path in paths:
+            if same_target(new.path, path):
+                raise ValueError(f"{new.what} is the CSV {path} being read: it would be overwritten; {new.elsewhere}")
+
+
 def check_outputs(paths, html: Optional[str], chrome_trace: Optional[str]) -> None:
     """The page and the trace go to different places, neither over an input CSV; nor does stdout
-    (the tables, or a page or trace given as ``-``) go into one (``>> in.csv``). Messages name the
-    paths as typed (``/dev/stdout``, not the ``-`` that ``output.settle`` made of it)."""
-    if html is not None and chrome_trace is not None and (html == chrome_trace == STDOUT
-                                                          or same_target(html, chrome_trace)):
-        where = "stdout" if html == STDOUT else typed(html)
-        raise ValueError(f"--html {typed(html)} and --chrome-trace {typed(chrome_trace)} would both write "
-                         f"{where}: give them different files")
-    for option, out in (("--html", html), ("--chrome-trace", chrome_trace)):
-        for path in paths if out is not None else ():
-            if same_target(out, path):
-                raise ValueError(f"{option} {typed(out)} is the CSV {path} being read: it would be overwritten; "
-                                 f"write it elsewhere")
+    (the tables, or a page or trace given as ``-``) go into one (``>> in.csv``). Checked before the
+    CSVs are read; the pictures, named by the cases read, by ``check_pictures``."""
+    _refuse_overlaps(paths, _options(html, chrome_trace))
     into = _stdout_input(paths)
     if into is not None:
         given = [f"{option} {typed(out)}" for option, out in (("--html", html), ("--chrome-trace", chrome_trace))
@@ -725,6 +873,14 @@ def check_outputs(paths, html: Optional[str], chrome_trace: Optional[str]) -> No
         what = " and ".join(given) if given else "the summary tables"
         raise ValueError(f"stdout is the CSV {into} being read (a > or >> into it): {what} would be written into "
                          f"it; send stdout elsewhere")
+
+
+def check_pictures(paths, plot_dir: str, pictures: list, html: Optional[str], chrome_trace: Optional[str]) -> None:
+    """No picture that ``--plot`` writes (``pictures``: their paths, before any is written) lands on
+    another, an input CSV, the page or the trace (``--plot plots --html plots/summary.png``)."""
+    named = [OutputFile(f"the picture {Path(path).name} of --plot {plot_dir}", path,
+                        "write the pictures into another folder") for path in pictures]
+    _refuse_overlaps(paths, named, _options(html, chrome_trace))
 
 
 def _stdout_input(paths) -> Optional[str]:
