@@ -92,6 +92,8 @@ def _refused(args, message, started):
     (["check", "--window", "5"], "--window"),
     (["check", "--device", "tpu"], "--device"),
     (["check", "--seq-len", "16777216", "--heads", "64", "--head-dim", "256"], "GiB of host memory"),
+    (["check", "--qkv-format", "thd", "--seq-len", "1000000000000"], "GiB of host memory"),
+    (["emulate", "--cp", "2", "--qkv-format", "thd", "--seq-len", "1000000000000"], "GiB of host memory"),
 ])
 def test_usage_errors_name_the_option_and_start_no_rank(no_launch, args, message):
     _refused(args, message, no_launch)

@@ -50,6 +50,8 @@ def test_random_documents_are_seeded_multiples_that_fill_the_pack():
     assert len({random_documents(96, 4, 8, seed) for seed in range(20)}) > 5   # the seed matters
     assert random_documents(64, 1, 4, 0) == (64,)
     assert random_documents(64, 16, 4, 3) == (4,) * 16
+    huge = random_documents(10 ** 12, 3, 4, 0)   # drawn in memory of the count: it was a randperm of the units
+    assert len(huge) == 3 and sum(huge) == 10 ** 12 and all(n > 0 and n % 4 == 0 for n in huge)
 
 
 def test_seqlens_set_the_pack_and_docs_draw_it_from_the_seed(no_launch):

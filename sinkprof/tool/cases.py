@@ -10,11 +10,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import random
 import re
 from dataclasses import dataclass
 from typing import Optional
-
-import torch
 
 from ..dist import DEFAULT_TIMEOUT_S
 from ..kernels import unavailable_reason
@@ -211,10 +210,11 @@ class Settings:
 
 def random_documents(total: int, count: int, multiple: int, seed: int) -> tuple[int, ...]:
     """``count`` lengths, each a positive multiple of ``multiple``, summing to ``total`` (itself a
-    multiple): ``count - 1`` distinct cut points drawn from a generator seeded with ``seed``."""
+    multiple): ``count - 1`` distinct cut points drawn from a generator seeded with ``seed``, in
+    memory of the count, not of the pack (a pack too long to run is refused later, by the memory
+    check that needs its documents)."""
     units = total // multiple
-    gen = torch.Generator().manual_seed(seed)
-    cuts = sorted((torch.randperm(units - 1, generator=gen)[:count - 1] + 1).tolist())
+    cuts = sorted(random.Random(seed).sample(range(1, units), count - 1))
     ends = [0, *cuts, units]
     return tuple((b - a) * multiple for a, b in zip(ends, ends[1:]))
 
