@@ -292,12 +292,18 @@ def test_checking_a_path_makes_no_folder_and_the_write_makes_them(tmp_path):
 
 def test_a_path_ending_in_a_slash_that_is_no_folder_is_refused_and_nothing_is_made(tmp_path):
     """``notyet/`` names a folder: a shell's > and open() refuse it; it is not written as a file."""
-    with pytest.raises(ValueError, match=r"--output .*notyet/: ends in /, the name of a folder"):
+    with pytest.raises(ValueError, match=r"--output .*notyet/: the name of a folder \(it ends in '/'\), and .* is no "
+                                         r"folder; name a file"):
         check_writable(f"{tmp_path}/notyet/", "--output")
+    with pytest.raises(ValueError, match=r"the name of a folder \(it ends in '/\.'\)"):
+        check_writable(f"{tmp_path}/notyet/.", "--output")
+    (tmp_path / "file.json").write_text("kept")
+    with pytest.raises(ValueError, match=r"file.json is a file; name a file"):
+        check_writable(f"{tmp_path}/file.json/", "--output")
     res = CliRunner().invoke(app, ["check", "--ranks", "1", "--seq-len", "16", "--heads", "2", "--kv-heads", "1",
                                    "--head-dim", "8", "--format", "json", "-o", f"{tmp_path}/notyet/"])
-    assert res.exit_code == 2 and "ends in /" in res.output, res.output
-    assert sorted(tmp_path.iterdir()) == []
+    assert res.exit_code == 2 and "the name of a folder" in res.output, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.json"] and (tmp_path / "file.json").read_text() == "kept"
 
 
 def test_a_write_protected_file_is_refused_and_kept(tmp_path, monkeypatch):

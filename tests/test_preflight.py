@@ -59,6 +59,7 @@ def _refused(args, message, started):
     (["bench", "--simulate", "2", "--ranks", "4"], "--ranks 4 with --simulate"),
     (["bench", "--simulate", "2,3"], "--simulate 3: --seq-len 64 must be divisible by 2 * cp = 6 (load-balanced "
                                      "chunks); use --seq-len 60, or drop 3 from --simulate"),
+    (["bench", "--simulate", "4,3"], "use --seq-len 48"),   # one every size takes
     (["bench", "--simulate", "4", "--comm", "a2a+p2p"], "--comm a2a+p2p with --simulate: a simulation replays the p2p"),
     (["check", "--inject", ""], "--inject='' is not supported"),
     (["emulate", "--cp", "2,--4"], "--cp: '--4' is not an integer"),

@@ -747,3 +747,26 @@ def test_no_picture_overwrites_the_page_the_trace_or_an_input(csvs, tmp_path):
     assert (f"the picture summary.png of --plot {plots} is the CSV {mine} being read: it would be overwritten; "
             f"write the pictures into another folder") in " ".join(res.stderr.split())
     assert mine.read_bytes() == before and [p.name for p in plots.iterdir()] == ["summary.png"]
+
+
+def test_cases_that_differ_in_layout_sink_grad_or_bias_are_reported_apart(tmp_path):
+    """bench writes qkv_format, sink_grad and bias: without them, the bshd and sbhd cases of one run
+    shared every column and were summed into one case (twice the compute, exit 0)."""
+    csv = tmp_path / "two.csv"
+    res = run_cli("bench", "--ranks", "2", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp32",
+                  "--qkv-format", "bshd,sbhd", "--sink-grad", "full,partial", "--warmup", "0", "--iters", "1",
+                  "--csv", str(csv))
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = pd.read_csv(csv)
+    assert set(rows["qkv_format"]) == {"bshd", "sbhd"} and set(rows["sink_grad"]) == {"full", "partial"}
+    assert set(rows["bias"]) == {False}
+    out = _report(csv, "--plot", tmp_path / "plots")
+    assert out.exit_code == 0, out.output
+    its = iteration_table(load([csv]))
+    titles = [label(row) for _, row in its.iterrows()]
+    assert len(titles) == 4 and len(set(titles)) == 4, titles
+    assert sum("sbhd" in t for t in titles) == 2 and sum("sink_grad=partial" in t for t in titles) == 2
+    assert out.output.count("ms/iter") == 4
+    pictures = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert len([p for p in pictures if p.endswith("-fwd.png")]) == 4, pictures
+    assert not any(re.search(r"-\d\.png$", p) for p in pictures), pictures   # told apart, not numbered

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import subprocess
 import sys
 import uuid
@@ -40,7 +41,8 @@ from .output import STDOUT, CsvStream, OutputError, atomic_path, check_writable,
 
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
 COLUMNS = ["run_id", "timestamp", "rank", "iteration", "phase", "step", "kind", "start_ms", "end_ms", "dur_ms",
-           "overlap_ms", "exposed_ms", "bytes", "comm", "softmax", "sink_strategy", "mask", "window", "docs", "pack_layout", "dtype", "b", "s",
+           "overlap_ms", "exposed_ms", "bytes", "comm", "softmax", "sink_strategy", "sink_grad", "mask", "window", "bias",
+           "qkv_format", "docs", "pack_layout", "dtype", "b", "s",
            "h", "g", "d", "cp", "a2a_size", "kv_schedule", "backend", "merges", "simulated", "predicted", "link", "flops", "device_name", "torch", "cudnn", "nccl",
            "sinkprof", "git_sha"]
 
@@ -133,7 +135,9 @@ def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simul
     return {
         "comm": case.comm.value, "softmax": case.softmax.value,
         "sink_strategy": case.sink_strategy.value if case.softmax.has_sink else "",
+        "sink_grad": case.sink_grad.value if case.softmax.has_sink else "",
         "mask": case.mask.value, "window": "" if case.window is None else f"{case.window[0]},{case.window[1]}",
+        "bias": case.bias, "qkv_format": case.qkv_format.value,
         "docs": seqlens_text(case.docs), "pack_layout": case.pack_layout.value if case.docs else "",
         "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
         "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm is CommType.A2A_P2P else "",
@@ -318,8 +322,8 @@ def check_simulated_sizes(groups: list, cps: tuple) -> None:
     for cp in cps:
         for settings in groups:
             if settings.seqlens is None and settings.seq_len % (2 * cp):   # a pack's documents name their own
-                step = 2 * cp
-                raise ValueError(f"--simulate {cp}: --seq-len {settings.seq_len} must be divisible by 2 * cp = {step} "
+                step = math.lcm(*(2 * c for c in cps))   # a length every size takes
+                raise ValueError(f"--simulate {cp}: --seq-len {settings.seq_len} must be divisible by 2 * cp = {2 * cp} "
                                  f"(load-balanced chunks); use --seq-len {max(step, settings.seq_len // step * step)}, "
                                  f"or drop {cp} from --simulate")
             try:
@@ -336,8 +340,7 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     schedule holds them); the same CSV schema without communication rows. With ``opts.link``,
     each rank's rows become a prediction (``linkmodel.predict``): its exchanges from the plan's
     bytes over the link, the exposed part against the compute measured here, rows marked
-    ``predicted``."""
-    check_simulated_sizes(groups, opts.simulate)
+    ``predicted``. The sizes are checked first (``check_simulated_sizes``, by the command)."""
     writer = RowWriter(opts.csv)
     run_id = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}-sim"
     stamp = datetime.datetime.now().isoformat(timespec="seconds")

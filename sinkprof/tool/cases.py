@@ -19,18 +19,20 @@ from ..dist import DEFAULT_TIMEOUT_S
 from ..kernels import unavailable_reason
 from ..options import a2a_members as options_a2a_members
 from ..options import (DTYPES, A2AError, A2AProblem, AttnSpec, Backend, CommType, KVSchedule, MaskType, PackLayout,
-                       QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size, check_heads, check_seed,
-                       check_sink_strategy, make_spec, parse_dtype, window_pair)
+                       QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size, check_gqa, check_heads,
+                       check_seed, check_sink_strategy, make_spec, parse_dtype, window_pair)
 from ..plan import spec_layout
 from ..testing import Shape
 
 DEFAULT_DOCS = 3    # documents of a thd pack given neither --seqlens nor --docs (fewer if the pack is short)
 
 
-def check_gqa(heads: int, kv_heads: int) -> None:
-    """``--heads`` a multiple of ``--kv-heads`` (each K/V head serves a group of query heads)."""
-    if heads % kv_heads:
-        raise ValueError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} (GQA)")
+def check_head_counts(heads: int, kv_heads: int) -> None:
+    """``--heads`` and ``--kv-heads`` by the library's rule (``options.check_gqa``), in the options' words."""
+    try:
+        check_gqa(heads, kv_heads)
+    except ValueError:
+        raise ValueError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} (GQA)") from None
 
 
 def check_window(window: Optional[tuple], masks) -> None:
@@ -50,7 +52,6 @@ def check_window(window: Optional[tuple], masks) -> None:
         except ValueError:
             raise ValueError(f"{text}: right {window[1]} contradicts --mask {mask} (it implies right = 0); use "
                              f"--window {window[0]},0 or --mask no_mask") from None
-
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class Settings:
         for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ranks", "a2a_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{option(name)} {getattr(self, name)} must be >= 1")
-        check_gqa(self.heads, self.kv_heads)
+        check_head_counts(self.heads, self.kv_heads)
         self.validate_pack()   # first: explicit lengths get the library's message (it names pad_pack)
         if self.seq_len % (2 * self.ranks):
             step = 2 * self.ranks
@@ -214,7 +215,8 @@ def random_documents(total: int, count: int, multiple: int, seed: int) -> tuple[
     memory of the count, not of the pack (a pack too long to run is refused later, by the memory
     check that needs its documents)."""
     units = total // multiple
-    cuts = sorted(random.Random(seed).sample(range(1, units), count - 1))
+    # torch's seeds run from -2**63 to 2**64-1; Random would seed -5 as 5
+    cuts = sorted(random.Random(seed % 2 ** 64).sample(range(1, units), count - 1))
     ends = [0, *cuts, units]
     return tuple((b - a) * multiple for a, b in zip(ends, ends[1:]))
 

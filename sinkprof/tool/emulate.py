@@ -15,7 +15,7 @@ from ..options import (A2AError, AttnSpec, KVSchedule, MaskType, PackLayout, QKV
                        a2a_sizes, check_a2a_size, check_heads, make_spec, window_pair)
 from ..plan import spec_layout
 from ..testing import Shape, make_inputs, reference
-from .cases import Settings, check_gqa, check_pack_layer, check_window, merge_layers, seqlens_text
+from .cases import Settings, check_head_counts, check_pack_layer, check_window, merge_layers, seqlens_text
 from .errors import EXIT_FAILED, EXIT_OK
 from .output import Output
 from .preflight import check_replay_memory, sink_counted_again
@@ -130,7 +130,7 @@ def check_heads_and_groups(shape: Shape, cps, members: Optional[int]) -> None:
     """``--heads`` a multiple of ``--kv-heads``, and under a2a+p2p (``members`` ranks per inner
     group) an ``--a2a-size`` that divides every ``--cp`` and splits the heads: the library's checks
     (``check_a2a_size``, ``check_heads``, which ``emulate_hierarchical`` runs), in the options' words."""
-    check_gqa(shape.h, shape.g)
+    check_head_counts(shape.h, shape.g)
     if members is None:
         return
     for n in cps:

@@ -85,15 +85,24 @@ def torchrun_env() -> Optional[TorchrunEnv]:
     return TorchrunEnv(rank, world, local_rank, local_world)
 
 
+NO_SUCH_HOST = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+
 @functools.lru_cache(maxsize=None)
 def _check_resolves(addr: str) -> None:
     """MASTER_ADDR names a host: one that does not resolve would only show after ``--timeout``, as
     ranks that never met."""
     try:
         socket.getaddrinfo(addr, None)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise ValueError(f"MASTER_ADDR={addr!r} does not resolve ({getattr(exc, 'strerror', None) or exc}); set it "
-                         f"to the address of rank 0's host, as torchrun does") from None
+        return
+    except socket.gaierror as exc:
+        if exc.errno not in NO_SUCH_HOST:
+            return   # the resolver failed for now (EAI_AGAIN): the join says so if it lasts
+        why = exc.strerror or str(exc)
+    except UnicodeError as exc:   # a name no resolver takes (a label over 63 characters)
+        why = str(exc)
+    raise ValueError(f"MASTER_ADDR={addr!r} does not resolve ({why}); set it to the address of rank 0's host, as "
+                     f"torchrun does")
 
 
 def _env_int(name: str, low: int, high: Optional[int] = None, default: Optional[int] = None) -> int:

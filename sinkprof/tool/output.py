@@ -188,9 +188,10 @@ def check_writable(path: Optional[str], option: str, *, partial: bool = False) -
         where = target(path)
         if where.is_dir():
             raise ValueError(f"{option} {path}: is a folder; name a file in it")
-        if str(path).endswith(os.sep):   # realpath drops the slash; a shell or open() would refuse the name
-            raise ValueError(f"{option} {path}: ends in {os.sep}, the name of a folder, and there is no such "
-                             f"folder; name a file (without the {os.sep})")
+        tail = next((t for t in (os.sep, f"{os.sep}.", f"{os.sep}..") if str(path).endswith(t)), None)
+        if tail is not None or str(path) in (".", ".."):   # realpath drops these; a shell's > refuses them
+            raise ValueError(f"{option} {path}: the name of a folder (it ends in {tail or path!r}), and "
+                             f"{where} is {'a file' if where.exists() else 'no folder'}; name a file")
         if where.exists() and not os.access(where, os.W_OK):
             # the result replaces the file by a rename, which its own mode would not stop; a
             # protected file is refused as a shell's > or pandas' to_csv would refuse it

@@ -31,8 +31,8 @@ from ..options import Backend, MaskType, PackLayout, parse_window, window_pair
 from .cases import ALL
 from .output import STDOUT, Output, same_target, typed, write_bytes, write_text
 
-CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "mask", "window", "dtype", "b", "s", "h", "g", "d", "cp",
-             "kv_schedule", "backend", "simulated", "docs", "pack_layout"]
+CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "sink_grad", "mask", "window", "bias", "qkv_format", "dtype",
+             "b", "s", "h", "g", "d", "cp", "a2a_size", "kv_schedule", "backend", "simulated", "docs", "pack_layout"]
 COMM_KINDS = ("kv", "dkv", "a2a")
 PHASES = ("fwd", "bwd", "fwdbwd")
 STEP_KINDS = ("compute",) + COMM_KINDS    # the rows of one ring step (an iteration row has step -1)
@@ -42,20 +42,22 @@ STEP_KINDS = ("compute",) + COMM_KINDS    # the rows of one ring step (an iterat
 REQUIRED_COLUMNS = ("run_id", "rank", "iteration", "phase", "step", "kind", "dur_ms")
 OPTIONAL_COLUMNS = {
     "timestamp": "", "start_ms": float("nan"), "end_ms": float("nan"), "overlap_ms": float("nan"),
-    "exposed_ms": float("nan"), "comm": "", "softmax": "", "sink_strategy": "", "mask": "", "window": "",
+    "exposed_ms": float("nan"), "comm": "", "softmax": "", "sink_strategy": "", "sink_grad": "", "mask": "",
+    "window": "", "bias": False, "qkv_format": "",
     "dtype": "", "b": "", "s": "", "h": "", "g": "", "d": "", "cp": None,  # None: the number of ranks of the run
     "docs": "", "pack_layout": "", "a2a_size": "", "kv_schedule": "", "backend": "", "merges": "", "simulated": False, "predicted": False,
     "flops": float("nan"), "bytes": float("nan"), "device_name": "", "torch": "", "cudnn": "", "nccl": "",
     "sinkprof": "", "git_sha": "",
 }
 # Read as text, whatever they look like (a git sha "0123abc" keeps its leading zero).
-TEXT_COLUMNS = ("run_id", "timestamp", "phase", "kind", "comm", "softmax", "sink_strategy", "mask", "window",
+TEXT_COLUMNS = ("run_id", "timestamp", "phase", "kind", "comm", "softmax", "sink_strategy", "sink_grad", "mask",
+                "window", "qkv_format",
                 "docs", "pack_layout", "dtype", "kv_schedule", "backend", "merges", "a2a_size", "device_name", "torch",
                 "cudnn", "nccl", "sinkprof", "git_sha")
 SHAPE_COLUMNS = ("b", "s", "h", "g", "d", "cp")
 INT_COLUMNS = ("rank", "iteration", "step") + SHAPE_COLUMNS
 FLOAT_COLUMNS = ("dur_ms", "start_ms", "end_ms", "overlap_ms", "exposed_ms", "flops", "bytes")
-BOOL_COLUMNS = ("simulated", "predicted")
+BOOL_COLUMNS = ("simulated", "predicted", "bias")
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")   # a bool cell, any case ("True" as Python writes it)
 # The least value of each number column: no count, time or size is negative, and a case has at
 # least one of each dimension and rank.
@@ -68,7 +70,8 @@ LEAST = (("rank", 0), ("iteration", 0), ("step", -1), ("dur_ms", 0), ("overlap_m
 CHOICES = {
     "phase": PHASES, "kind": STEP_KINDS + ("iteration",),
     "comm": ALL["comm"], "softmax": ALL["softmax"], "mask": ALL["mask"], "dtype": ALL["dtype"],
-    "sink_strategy": ALL["sink_strategy"] + ("",), "kv_schedule": ALL["kv_schedule"] + ("",),
+    "sink_strategy": ALL["sink_strategy"] + ("",), "sink_grad": ALL["sink_grad"] + ("",),
+    "qkv_format": ALL["qkv_format"] + ("",), "kv_schedule": ALL["kv_schedule"] + ("",),
     "pack_layout": tuple(p.value for p in PackLayout) + ("",),
     "backend": tuple(b.value for b in Backend if b is not Backend.AUTO),
 }
@@ -191,7 +194,11 @@ def _check_text(path, df: pd.DataFrame) -> None:
 
 
 def _check_repeats(path, df: pd.DataFrame) -> None:
-    """No span twice (``SPAN_KEYS``): a file appended to itself would count every time and byte twice."""
+    """No span twice (``SPAN_KEYS``): a file appended to itself would count every time and byte twice.
+    A CSV of an older version is not checked: without ``qkv_format``, ``sink_grad`` and ``bias`` two
+    of its cases may share every column, and without ``start_ms`` two a2a messages of a step may."""
+    if not {"qkv_format", "start_ms"} <= set(df.columns):
+        return
     keys = [k for k in SPAN_KEYS if k in df.columns]
     repeat = df.duplicated(keys)
     if repeat.any():
@@ -636,6 +643,10 @@ def label(row) -> str:
     parts = [str(row["comm"]), str(row["softmax"]), str(row["mask"]), str(row["dtype"]), f"cp={row['cp']}"]
     if str(row.get("sink_strategy", "")):
         parts.insert(2, str(row["sink_strategy"]))
+    if str(row.get("sink_grad", "")) not in ("", "full"):
+        parts.append(f"sink_grad={row['sink_grad']}")
+    if str(row.get("a2a_size", "")):
+        parts.append(f"a2a_size={row['a2a_size']}")
     if str(row.get("kv_schedule", "")):
         parts.append(f"kv={row['kv_schedule']}")
     if str(row.get("window", "")):
@@ -644,6 +655,10 @@ def label(row) -> str:
         parts.append(f"docs={docs_text(row['docs'])}")
     if str(row.get("pack_layout", "")) not in ("", "zigzag"):
         parts.append(f"layout={row['pack_layout']}")
+    if str(row.get("qkv_format", "")) not in ("", "bshd", "thd"):   # a thd pack shows as docs=
+        parts.append(str(row["qkv_format"]))
+    if row.get("bias", False):
+        parts.append("bias")
     if row["simulated"]:
         parts.append("simulated")
     # a CSV of an older version leaves some of these blank: they are left out, not "b= ()"
@@ -677,7 +692,8 @@ def run_part(run_id: str) -> str:
 def slugs(cases: pd.DataFrame) -> dict:
     """A short file-name slug per case (the tuple of its CASE_KEYS): ``comm-softmax[-strategy]-mask
     [-window][-thdNdocs]-dtype-cpN[-sim][-pred]``; cases that would share one add what tells them
-    apart (the K/V schedule as ``kv-ring`` or ``kv-direct``, a pack's lengths, the shape, the backend, then the run), so a slug
+    apart (the K/V schedule as ``kv-ring`` or ``kv-direct``, the layout, sink gradient, bias and a2a
+    group, a pack's lengths, the shape, the backend, then the run), so a slug
     depends only on the cases read, in any order."""
     rows = cases.drop_duplicates(subset=CASE_KEYS)
     base = {}
@@ -692,7 +708,11 @@ def slugs(cases: pd.DataFrame) -> dict:
         base[tuple(r[k] for k in CASE_KEYS)] = [_slug_part(p) for p in parts if str(p)]
     kv = CASE_KEYS.index("kv_schedule")
     docs = CASE_KEYS.index("docs")
+    at = {n: CASE_KEYS.index(n) for n in ("qkv_format", "sink_grad", "bias", "a2a_size")}
     for extra in (lambda k: [f"kv-{k[kv]}" if k[kv] else ""],
+                  lambda k: [str(k[at["qkv_format"]]), f"grad-{k[at['sink_grad']]}" if k[at["sink_grad"]] else "",
+                             "bias" if k[at["bias"]] else "no-bias",
+                             f"a2a{k[at['a2a_size']]}" if str(k[at["a2a_size"]]) else ""],
                   lambda k: ["docs-" + "-".join(str(k[docs]).split(",")) if str(k[docs]) else ""],
                   lambda k: [f"{n}{k[CASE_KEYS.index(n)]}" for n in ("b", "s", "h", "g", "d")],
                   lambda k: [k[CASE_KEYS.index("backend")]],
