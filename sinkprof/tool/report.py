@@ -353,11 +353,13 @@ def untimed_note(df: pd.DataFrame, left_out: str) -> Optional[str]:
            f"case{'s' if len(cases) > 1 else ''}; the rest of the report is written"
 
 
-def stepless_cases(df: pd.DataFrame) -> list:
-    """The cases (tuples of CASE_KEYS) with iteration rows only, none of a ring step: no per-step
-    table, timeline or trace event can show them, and their exposed communication is unknown."""
-    has_steps = df["kind"].isin(STEP_KINDS).groupby([df[k] for k in CASE_KEYS], sort=False).any()
-    return [case for case, any_step in has_steps.items() if not any_step]
+def cases_without(df: pd.DataFrame, kinds: tuple) -> list:
+    """The cases (tuples of CASE_KEYS) with no row of ``kinds``. Without ring-step rows
+    (``STEP_KINDS``: iteration rows only) no per-step table, timeline or trace event can show a
+    case, and its exposed communication is unknown; without iteration rows (a CSV cut down to its
+    steps) its steps are shown, its wall time, FLOP/s and exposed share are unknown."""
+    has = df["kind"].isin(kinds).groupby([df[k] for k in CASE_KEYS], sort=False).any()
+    return [case for case, any_row in has.items() if not any_row]
 
 
 def _files_of(df: pd.DataFrame, cases: list) -> list:
@@ -369,7 +371,7 @@ def _files_of(df: pd.DataFrame, cases: list) -> list:
 def stepless_note(df: pd.DataFrame, left_out: list) -> Optional[str]:
     """One line for stderr when some cases have iteration rows only: which files hold them and
     what ``left_out`` of them (besides the per-step tables); None when every case has step rows."""
-    cases = stepless_cases(df)
+    cases = cases_without(df, STEP_KINDS)
     if not cases:
         return None
     files = _files_of(df, cases)
@@ -384,19 +386,11 @@ def stepless_note(df: pd.DataFrame, left_out: list) -> Optional[str]:
             f"the rest of the report is written")
 
 
-def iterationless_cases(df: pd.DataFrame) -> list:
-    """The cases (tuples of CASE_KEYS) with ring-step rows but no iteration row (a CSV cut down to
-    its steps): their per-step tables, timelines and trace events are shown, their wall time,
-    FLOP/s and exposed share are unknown."""
-    has_its = (df["kind"] == "iteration").groupby([df[k] for k in CASE_KEYS], sort=False).any()
-    return [case for case, any_it in has_its.items() if not any_it]
-
-
 def iterationless_note(df: pd.DataFrame, figure: bool) -> Optional[str]:
     """One line for stderr when some cases have no iteration rows: which files hold them, and what
     is unknown of them (``figure``: and that the summary figure leaves them out); None when every
     case has iteration rows."""
-    cases = iterationless_cases(df)
+    cases = cases_without(df, ("iteration",))
     if not cases:
         return None
     files = _files_of(df, cases)
@@ -413,7 +407,7 @@ def case_rows(df: pd.DataFrame, its: pd.DataFrame) -> pd.DataFrame:
     """The cases to show, in order: the rows of ``its`` (``iteration_table``: a case and phase each),
     then one row of each case without iteration rows (CASE_KEYS and ``predicted``, its ``wall_ms``
     NaN)."""
-    rest = pd.DataFrame(iterationless_cases(df), columns=CASE_KEYS)
+    rest = pd.DataFrame(cases_without(df, ("iteration",)), columns=CASE_KEYS)
     rest = rest.merge(_predicted(df, CASE_KEYS).reset_index(), on=CASE_KEYS, how="left")
     return pd.concat([its, rest], ignore_index=True) if not its.empty else rest
 
