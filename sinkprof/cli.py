@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-import math
 import re
 from typing import Callable, Optional
 
@@ -288,7 +287,7 @@ def emulate(
     """
     from .options import QKVFormat
     from .testing import Shape
-    from .tool.cases import parse_seqlens
+    from .tool.cases import check_seq_len, parse_seqlens
     from .tool.emulate import only_allgather, pack, run
 
     check_seed(seed, "--seed")
@@ -301,11 +300,7 @@ def emulate(
     seq_len, batch, lengths = pack(formats, cps, seq_len=seq_len, batch=batch, docs=docs, seed=seed,
                                    seqlens=None if seqlens is None else parse_seqlens(seqlens, "--seqlens"),
                                    pack_layout=layout)
-    for c in cps:
-        if seq_len % (2 * c):
-            step = math.lcm(*(2 * x for x in cps))
-            raise ValueError(f"--cp {c}: --seq-len {seq_len} must be divisible by 2 * cp = {2 * c} (load-balanced "
-                             f"chunks); use --seq-len {-(-seq_len // step) * step} (divisible by 2 * every --cp)")
+    check_seq_len(seq_len, cps, "--cp")
     masks = split_list(mask, "--mask", lambda v, option: v, allowed=[m.value for m in MaskType])
     strategies = split_list(strategy, "--strategy", SinkStrategy.parse, allowed=[x.value for x in SinkStrategy])
     schedules = split_list(kv_schedule, "--kv-schedule", KVSchedule.parse, allowed=[x.value for x in KVSchedule])

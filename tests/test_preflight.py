@@ -63,7 +63,12 @@ def _refused(args, message, started):
     (["bench", "--simulate", "4", "--comm", "a2a+p2p"], "--comm a2a+p2p with --simulate: a simulation replays the p2p"),
     (["check", "--inject", ""], "--inject='' is not supported"),
     (["emulate", "--cp", "2,--4"], "--cp: '--4' is not an integer"),
-    (["emulate", "--cp", "3"], "--cp 3: --seq-len 64 must be divisible by 2 * cp = 6"),
+    (["emulate", "--cp", "3"], "--cp 3: --seq-len 64 must be divisible by 2 * cp = 6 (load-balanced chunks); use "
+                               "--seq-len 60"),
+    (["emulate", "--cp", "4,3"], "--cp 3: --seq-len 64 must be divisible by 2 * cp = 6 (load-balanced chunks); use "
+                                 "--seq-len 48, or drop 3 from --cp"),   # one rule for --cp, --ranks, --simulate
+    (["check", "--ranks", "3"], "--ranks 3: --seq-len 64 must be divisible by 2 * cp = 6 (load-balanced chunks); "
+                                "use --seq-len 60"),
     (["check", "--qkv-format", "thd", "--seqlens", "\u00b3\u00b2,32"], "is not a document length"),
     (["bench", "--simulate", "2", "--link", "1e-320"], "--link '1e-320': the bandwidth must be 0.001 to 1e+06 GB/s"),
     (["report", "--plot", "-", "x.csv"], "--plot '-': name a folder"),

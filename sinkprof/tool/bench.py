@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import math
 import subprocess
 import sys
 import uuid
@@ -33,7 +32,7 @@ from ..ring import (BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, j
 from ..schedule import comm_schedule, resolved_kv_schedule, row_bytes
 from ..sink import sink_logits
 from ..testing import make_inputs
-from .cases import Case, Settings, expand, seqlens_text
+from .cases import Case, Settings, check_seq_len, expand, seqlens_text
 from .errors import EXIT_OK
 from .launcher import RankInfo
 from .linkmodel import Link, predict
@@ -319,13 +318,11 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
 def check_simulated_sizes(groups: list, cps: tuple) -> None:
     """Every ``--simulate`` size can lay out every case (before anything, the memory check included,
     asks the layout of it); the error names the size and the option to change."""
+    for settings in groups:
+        if settings.seqlens is None:   # a pack's documents name their own
+            check_seq_len(settings.seq_len, cps, "--simulate")
     for cp in cps:
         for settings in groups:
-            if settings.seqlens is None and settings.seq_len % (2 * cp):   # a pack's documents name their own
-                step = math.lcm(*(2 * c for c in cps))   # a length every size takes
-                raise ValueError(f"--simulate {cp}: --seq-len {settings.seq_len} must be divisible by 2 * cp = {2 * cp} "
-                                 f"(load-balanced chunks); use --seq-len {max(step, settings.seq_len // step * step)}, "
-                                 f"or drop {cp} from --simulate")
             try:
                 settings.shape.validate(cp)
                 for case in expand(settings):

@@ -35,6 +35,17 @@ def check_head_counts(heads: int, kv_heads: int) -> None:
         raise ValueError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} (GQA)") from None
 
 
+def check_seq_len(seq_len: int, cps, cp_option: str) -> None:
+    """``--seq-len`` splits into ``2 * cp`` load-balanced chunks under every cp of ``cps`` (the
+    values of ``cp_option``); the error names the cp and suggests a length every cp takes."""
+    for cp in cps:
+        if seq_len % (2 * cp):
+            step = math.lcm(*(2 * c for c in cps))
+            drop = f", or drop {cp} from {cp_option}" if len(set(cps)) > 1 else ""
+            raise ValueError(f"{cp_option} {cp}: --seq-len {seq_len} must be divisible by 2 * cp = {2 * cp} "
+                             f"(load-balanced chunks); use --seq-len {max(step, seq_len // step * step)}{drop}")
+
+
 def check_window(window: Optional[tuple], masks) -> None:
     """``--window`` under every ``--mask``, by the library's rules (``make_spec``), in the options'
     words: a pair that fails without a mask is wrong in itself (a side below -1); one that fails
@@ -110,10 +121,7 @@ class Settings:
                 raise ValueError(f"{option(name)} {getattr(self, name)} must be >= 1")
         check_head_counts(self.heads, self.kv_heads)
         self.validate_pack()   # first: explicit lengths get the library's message (it names pad_pack)
-        if self.seq_len % (2 * self.ranks):
-            step = 2 * self.ranks
-            raise ValueError(f"--seq-len {self.seq_len} must be divisible by 2 * cp = {step} (load-balanced "
-                             f"chunks, cp = --ranks {self.ranks}); use --seq-len {max(step, self.seq_len // step * step)}")
+        check_seq_len(self.seq_len, (self.ranks,), "--ranks")
         check_window(self.window, [MaskType(m) for m in self.mask])
         for comm in map(CommType, self.comm):
             members = a2a_members(comm, self.ranks, self.a2a_size)
