@@ -285,3 +285,34 @@ def test_a_closed_stdout_is_one_line_before_any_rank_starts():
         assert res.returncode == 1, (args, res.stderr)
         assert res.stderr.strip().startswith("sinkprof: stdout is closed (>&-): the result has nowhere to go")
         assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_value_error_is_a_usage_error_only_where_sinkprof_raised_it(tmp_path, monkeypatch):
+    """An option sinkprof checks is exit 2 naming it; a ValueError from inside pandas (a bug of
+    the report, not the user's) is not dressed as a usage error: it shows as the bug it is."""
+    import pandas as pd
+
+    from sinkprof.options import SoftmaxType
+    from sinkprof.tool import errors, report
+    from sinkprof.tool.cases import parse_seqlens
+
+    def caught(fn):
+        try:
+            fn()
+        except ValueError as exc:
+            return exc
+        raise AssertionError("no ValueError")
+
+    own = caught(lambda: parse_seqlens("x,2"))
+    assert errors.describe(own) == (str(own), errors.EXIT_USAGE)
+    assert errors.raised_by_sinkprof(caught(lambda: SoftmaxType("softer")))   # the standard library's enum
+    inside = caught(lambda: pd.DataFrame({"a": [1, 2]}).set_axis([1, 2, 3]))
+    assert not errors.raised_by_sinkprof(inside) and errors.describe(inside) is None
+    assert errors.raised_by_sinkprof(ValueError("made, never raised"))
+
+    def broken_load(paths):
+        return pd.DataFrame({"a": [1, 2]}).set_axis([1, 2, 3])
+    monkeypatch.setattr(report, "load", broken_load)
+    res = runner.invoke(app, ["report", str(tmp_path / "any.csv")])
+    assert res.exit_code != 2, res.output
+    assert isinstance(res.exception, ValueError) and "Length mismatch" in str(res.exception)

@@ -5,6 +5,8 @@ SIGINT / SIGTERM. A closed pipe (``| head -1``) ends the command quietly with 1,
 and rich does. The library and the tool raise their own errors where they find them (a ``ValueError`` that names the
 argument and says what to use instead, a ``CommError`` that says where a rank hung); commands do
 not catch them. ``Command``, the class of every command of the CLI, looks each one up in ``EXIT_CODES``.
+A ``ValueError`` is a usage error only where sinkprof raised it (``raised_by_sinkprof``): one from
+inside pandas, matplotlib or torch is a bug, and shows as one.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import errno
 import os
 import signal
 import sys
+import sysconfig
 from typing import Optional
 
 import typer
@@ -31,7 +34,8 @@ class StartError(RuntimeError):
 
 # Exception type -> exit code; the message is the exception's own (``message``). Looked up along the MRO.
 EXIT_CODES: dict[type, int] = {
-    ValueError: EXIT_USAGE,       # an option or its combination: the message names the option
+    ValueError: EXIT_USAGE,       # an option or its combination: the message names the option (one
+                                  # raised inside a package sinkprof calls is a bug: describe)
     CommError: EXIT_FAILED,       # a rank hung or died: the message names rank, case, phase, step
     StartError: EXIT_FAILED,      # a rank could not be started: the message names it and why
     OutputError: EXIT_FAILED,     # a result could not be written: the message names the file
@@ -48,10 +52,35 @@ def describe(exc: BaseException) -> Optional[tuple[str, int]]:
     empty message is said by ending quietly."""
     if isinstance(exc, OSError) and exc.errno not in WRITE_ERRORS:
         return None
+    if isinstance(exc, ValueError) and not raised_by_sinkprof(exc):
+        return None
     for kind in type(exc).__mro__:
         if kind in EXIT_CODES:
             return message(exc), EXIT_CODES[kind]
     return None
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_INSTALLED = {os.path.abspath(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")}
+_STDLIB = {os.path.abspath(sysconfig.get_paths()[key]) for key in ("stdlib", "platstdlib")}
+
+
+def raised_by_sinkprof(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by sinkprof's own code, or by the standard library or a builtin
+    it called (``int(text)``, an ``Enum`` of a value), rather than inside an installed package
+    (pandas, matplotlib, torch) or a compiled module: the innermost frame of its traceback decides.
+    An error never raised (no traceback) is sinkprof's."""
+    tb = exc.__traceback__
+    if tb is None:
+        return True
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+
+    def under(roots) -> bool:
+        return any(path.startswith(root + os.sep) for root in roots)
+
+    return under([_PACKAGE]) or (not under(_INSTALLED) and under(_STDLIB))
 
 
 def message(exc: BaseException) -> str:
