@@ -749,6 +749,26 @@ def test_no_picture_overwrites_the_page_the_trace_or_an_input(csvs, tmp_path):
     assert mine.read_bytes() == before and [p.name for p in plots.iterdir()] == ["summary.png"]
 
 
+def test_the_page_or_trace_where_the_plot_folder_goes_is_refused_before_any_picture(csvs, tmp_path):
+    """``--plot p --html p`` wrote every picture into p, then failed on the page (``cannot write p:
+    Is a directory``, exit 1); a folder or a protected file where a picture goes is refused first."""
+    plots = tmp_path / "plots"
+    for args, says in (
+            (("--plot", plots, "--html", plots), f"--html {plots} is the folder --plot {plots} writes the "
+                                                 f"pictures into"),
+            (("--plot", plots / "deeper", "--chrome-trace", plots), f"--chrome-trace {plots} would be a file "
+                                                                    f"where --plot {plots / 'deeper'} needs a folder")):
+        res = _report(csvs[0], *args)
+        assert res.exit_code == 2, res.output
+        assert says in " ".join(res.stderr.split()), res.stderr
+        assert not plots.exists()
+    (plots / "summary.png").mkdir(parents=True)
+    res = _report(csvs[0], "--plot", plots)
+    assert res.exit_code == 2, res.output
+    assert f"--plot {plots}: the picture {plots / 'summary.png'}: is a folder" in " ".join(res.stderr.split())
+    assert [p.name for p in plots.iterdir()] == ["summary.png"]   # no picture written
+
+
 def test_cases_that_differ_in_layout_sink_grad_or_bias_are_reported_apart(tmp_path):
     """bench writes qkv_format, sink_grad and bias: without them, the bshd and sbhd cases of one run
     shared every column and were summed into one case (twice the compute, exit 0)."""

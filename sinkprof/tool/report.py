@@ -29,7 +29,7 @@ import pandas as pd
 
 from ..options import Backend, MaskType, PackLayout, parse_window, window_pair
 from .cases import ALL
-from .output import STDOUT, Output, same_target, typed, write_bytes, write_text
+from .output import STDOUT, Output, check_writable, same_target, target, typed, write_bytes, write_text
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "sink_grad", "mask", "window", "bias", "qkv_format", "dtype",
              "b", "s", "h", "g", "d", "cp", "a2a_size", "kv_schedule", "backend", "simulated", "docs", "pack_layout"]
@@ -811,7 +811,7 @@ def report(paths, plot_dir: Optional[str] = None, output: Output = Output(), htm
     trace of every rank. Returns the paths written (not ``-``). When the page or the trace goes
     to stdout, the tables are left out of it; otherwise they follow the files (a pipe that closes
     early, ``| head``, then leaves the files written)."""
-    check_outputs(paths, html, chrome_trace)
+    check_outputs(paths, html, chrome_trace, plot_dir)
     df = load(paths)
     written = []
     left_out = [what for what, wanted in (("timelines", plot_dir or html),
@@ -875,11 +875,23 @@ def _refuse_overlaps(paths, files: list, others: list = ()) -> None:
                 raise ValueError(f"{new.what} is the CSV {path} being read: it would be overwritten; {new.elsewhere}")
 
 
-def check_outputs(paths, html: Optional[str], chrome_trace: Optional[str]) -> None:
-    """The page and the trace go to different places, neither over an input CSV; nor does stdout
-    (the tables, or a page or trace given as ``-``) go into one (``>> in.csv``). Checked before the
-    CSVs are read; the pictures, named by the cases read, by ``check_pictures``."""
+def check_outputs(paths, html: Optional[str], chrome_trace: Optional[str], plot_dir: Optional[str] = None) -> None:
+    """The page and the trace go to different places, neither over an input CSV nor where the
+    ``--plot`` folder is or must be made; nor does stdout (the tables, or a page or trace given as
+    ``-``) go into one (``>> in.csv``). Checked before the CSVs are read; the pictures, named by the
+    cases read, by ``check_pictures``."""
     _refuse_overlaps(paths, _options(html, chrome_trace))
+    if plot_dir is not None:
+        folder = target(plot_dir)
+        for out in _options(html, chrome_trace):
+            if out.path == STDOUT:
+                continue
+            if target(out.path) == folder:
+                raise ValueError(f"{out.what} is the folder --plot {plot_dir} writes the pictures into; name a "
+                                 f"file in it, or another")
+            if target(out.path) in folder.parents:
+                raise ValueError(f"{out.what} would be a file where --plot {plot_dir} needs a folder; name "
+                                 f"another file")
     into = _stdout_input(paths)
     if into is not None:
         given = [f"{option} {typed(out)}" for option, out in (("--html", html), ("--chrome-trace", chrome_trace))
@@ -895,6 +907,8 @@ def check_pictures(paths, plot_dir: str, pictures: list, html: Optional[str], ch
     named = [OutputFile(f"the picture {Path(path).name} of --plot {plot_dir}", path,
                         "write the pictures into another folder") for path in pictures]
     _refuse_overlaps(paths, named, _options(html, chrome_trace))
+    for path in pictures:   # a protected picture is refused as a protected --html is
+        check_writable(path, f"--plot {plot_dir}: the picture")
 
 
 def _stdout_input(paths) -> Optional[str]:
