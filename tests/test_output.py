@@ -323,3 +323,19 @@ def test_a_write_protected_file_is_refused_and_kept(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="permission denied"):
         check_writable(str(link), "--csv")
     assert kept.read_text() == "protected"
+
+
+def test_a_dotdot_after_a_missing_folder_or_a_file_is_refused(tmp_path):
+    """``missing/../out.csv``: the system (and a shell's >) finds no ``missing`` to step out of;
+    realpath dropped it, and the file was written beside it."""
+    (tmp_path / "file.csv").write_text("kept")
+    (tmp_path / "there").mkdir()
+    for first in ("missing", "file.csv"):
+        with pytest.raises(ValueError, match=rf"--csv .*{first}/\.\./out.csv: .*{first} is no folder, so there is no "
+                                             r"\.\. after it; name the file without it"):
+            check_writable(f"{tmp_path}/{first}/../out.csv", "--csv")
+    check_writable(f"{tmp_path}/there/../out.csv", "--csv")   # a folder that exists: as the system resolves it
+    res = CliRunner().invoke(app, ["check", "--ranks", "1", "--seq-len", "16", "--heads", "2", "--kv-heads", "1",
+                                   "--head-dim", "8", "--format", "json", "-o", f"{tmp_path}/missing/../out.json"])
+    assert res.exit_code == 2 and "is no folder, so there is no .. after it" in " ".join(res.output.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.csv", "there"]

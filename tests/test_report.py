@@ -4,6 +4,7 @@ that are not bench CSVs, older CSVs, Rich markup in cells, git_sha as text, pred
 (marked `browser`) the page as a real headless Chromium renders it."""
 import base64
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -767,6 +768,17 @@ def test_the_page_or_trace_where_the_plot_folder_goes_is_refused_before_any_pict
     assert res.exit_code == 2, res.output
     assert f"--plot {plots}: the picture {plots / 'summary.png'}: is a folder" in " ".join(res.stderr.split())
     assert [p.name for p in plots.iterdir()] == ["summary.png"]   # no picture written
+    (plots / "summary.png").rmdir()
+    kept = plots / f"{SLUG}-fwd.png"
+    kept.write_bytes(b"protected")
+    real_access = os.access
+    with pytest.MonkeyPatch.context() as mp:   # as for a user without root's override
+        mp.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == kept and mode & os.W_OK
+                   else real_access(p, mode, **kw))
+        res = _report(csvs[0], "--plot", plots)
+    assert res.exit_code == 2, res.output
+    assert f"the picture {kept}: cannot be written (permission denied)" in " ".join(res.stderr.split())
+    assert [p.name for p in plots.iterdir()] == [kept.name] and kept.read_bytes() == b"protected"
 
 
 def test_cases_that_differ_in_layout_sink_grad_or_bias_are_reported_apart(tmp_path):

@@ -185,6 +185,7 @@ def check_writable(path: Optional[str], option: str, *, partial: bool = False) -
         return
     with _os_errors(option, path):
         _loop_check(path, option)
+        _dotdot_check(path, option)
         where = target(path)
         if where.is_dir():
             raise ValueError(f"{option} {path}: is a folder; name a file in it")
@@ -262,6 +263,16 @@ def _loop_check(path: str, option: str) -> None:
         if exc.errno == errno.ELOOP:
             raise ValueError(f"{option} {path}: a loop of symbolic links; point the link at a file or "
                              f"choose another path") from None
+
+
+def _dotdot_check(path: str, option: str) -> None:
+    """A ``..`` steps out of a folder that exists, as the system resolves a path (a shell's
+    ``> missing/../out.csv`` fails): realpath would drop the folder and write the file elsewhere."""
+    parts = Path(path).parts
+    for i, part in enumerate(parts):
+        if part == ".." and i and not os.path.isdir(os.path.join(*parts[:i])):
+            raise ValueError(f"{option} {path}: {os.path.join(*parts[:i])} is no folder, so there is no .. "
+                             f"after it; name the file without it")
 
 
 def same_target(a: str, b: str) -> bool:
