@@ -1,4 +1,8 @@
 """Torch tile kernels: one tile against the reference, and tiles driven with merged stats."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -284,3 +288,43 @@ def test_fa4_varlen_index_tensors_are_made_once_per_group_and_only_the_latest_ke
         kernel._varlen_args(q, k, (slice(0, n), slice(16, 40)), (slice(0, n), slice(12, 30)), (Band(), Band()))
     assert len(kernel._varlen) == 3
     assert kernel._varlen_args(q, k, rows, cols, (Band(), Band()))["cu_seqlens_q"] is not args["cu_seqlens_q"]
+
+
+PEAK_SCRIPT = """
+import sys, torch
+from sinkprof.kernels import TorchTiles
+from sinkprof.options import Band
+b, h, g, n, d = 1, 2, 1, 2048, 32
+q, do = torch.randn(b, h, n, d, dtype=torch.float64), torch.randn(b, h, n, d, dtype=torch.float64)
+k, v = torch.randn(b, g, n, d, dtype=torch.float64), torch.randn(b, g, n, d, dtype=torch.float64)
+sink, bias = torch.randn(h, dtype=torch.float64) * 5, torch.randn(1, h, n, n, dtype=torch.float64)
+tile = b * h * n * n * 8
+
+def peak(fn):  # VmHWM over VmRSS: the resident high-water mark of fn, reset first
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    status = lambda key: next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+    base = status("VmRSS")
+    kept = fn()
+    return (status("VmHWM") - base) / tile, kept
+
+kern = TorchTiles()
+for band in (Band(None, 0), Band()):
+    fwd, (o, lse) = peak(lambda: kern.forward(q, k, v, band, sink, None, 0.125))
+    bwd, _ = peak(lambda: kern.backward(q, k, v, o, do, lse, band, sink, None, 0.125))
+    print(f"{fwd:.3f} {bwd:.3f}")
+bwd, _ = peak(lambda: kern.backward(q, k, v, o, do, lse, Band(), sink, bias, 0.125))   # dBias is a tile it returns
+print(f"0 {bwd:.3f}")
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's /proc/self/clear_refs")
+def test_the_torch_tiles_hold_at_most_three_score_sized_tensors():
+    """The memory check (``tool.preflight.case_need``) counts three tile-sized tensors in the
+    accumulator dtype: the scores become the probabilities, and dP becomes dS, in place (they were
+    five: the backward's peak was 5.2 tiles, the forward's 3.1)."""
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for line in out.stdout.split("\n")[:-1]:
+        fwd, bwd = map(float, line.split())
+        assert fwd < 2.5 and bwd < 3.5, out.stdout

@@ -5,8 +5,6 @@ for tiles they cannot express.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..options import Band, SinkStrategy, accum_dtype
@@ -21,28 +19,30 @@ class TorchTiles(TileByTile):
     sink_strategy = SinkStrategy.STEP0      # the faster one here (docs/benchmarks.md)
 
     @staticmethod
-    def _scores(q, k, band: Band, bias, scale: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _scores(q, k, band: Band, bias, scale: float) -> torch.Tensor:
+        """The tile's scaled, biased and masked scores: one tile-sized tensor, built in place."""
         acc = accum_dtype(q.dtype)
         g = k.shape[1]
         qg = q.to(acc).unflatten(1, (g, q.shape[1] // g))
-        scores = torch.einsum("bgrqd,bgkd->bgrqk", qg, k.to(acc)).flatten(1, 2) * scale
+        scores = torch.einsum("bgrqd,bgkd->bgrqk", qg, k.to(acc)).flatten(1, 2).mul_(scale)
         if bias is not None:
-            scores = scores + bias.to(acc)
+            scores.add_(bias)
         visible = band.mask(q.shape[2], k.shape[2], q.device)
         if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
-        return scores, visible
+            scores.masked_fill_(~visible, float("-inf"))
+        return scores
 
     @staticmethod
     def _probs(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """The probabilities, in place of ``scores`` (so a tile holds one score-sized tensor, not two)."""
         finite = lse.masked_fill(lse == float("-inf"), 0.0)
-        return torch.exp(scores - finite.unsqueeze(-1))
+        return scores.sub_(finite.unsqueeze(-1)).exp_()
 
     def forward(self, q, k, v, band, sink, bias, scale, *, out=None, lse=None):
         return deliver(*self._forward(q, k, v, band, sink, bias, scale), out, lse)
 
     def _forward(self, q, k, v, band, sink, bias, scale):
-        scores, _ = self._scores(q, k, band, bias, scale)
+        scores = self._scores(q, k, band, bias, scale)
         lse = torch.logsumexp(scores, dim=-1)
         if sink is not None:
             lse = torch.logaddexp(lse, sink.reshape(1, -1, 1).to(lse.dtype))
@@ -54,12 +54,11 @@ class TorchTiles(TileByTile):
     def backward(self, q, k, v, o, grad_out, lse, band, sink, bias, scale):
         acc = lse.dtype
         g = k.shape[1]
-        scores, _ = self._scores(q, k, band, bias, scale)
-        probs = self._probs(scores, lse)
+        probs = self._probs(self._scores(q, k, band, bias, scale), lse)
         dout = grad_out.to(acc)
         d = (dout * o.to(acc)).sum(-1, keepdim=True)
         dp = torch.einsum("bgrqd,bgkd->bgrqk", dout.unflatten(1, (g, -1)), v.to(acc)).flatten(1, 2)
-        ds = probs * (dp - d)
+        ds = dp.sub_(d).mul_(probs)   # in place of dP: the backward holds two score-sized tensors
         ds_g, p_g = ds.unflatten(1, (g, -1)), probs.unflatten(1, (g, -1))
         dq = torch.einsum("bgrqk,bgkd->bgrqd", ds_g, k.to(acc)).flatten(1, 2) * scale
         dk = torch.einsum("bgrqk,bgrqd->bgkd", ds_g, q.to(acc).unflatten(1, (g, -1))) * scale

@@ -254,7 +254,9 @@ def case_need(case: Case, ranks: int, reference: bool, tile_scores: bool = True,
     if tile_scores or case.bias:    # bias tiles fall back to the torch tiles
         # on the heads a rank keeps after the inner a2a; a2a alone is a ring of one rank (c = s / 2)
         rows, keys = largest_tile(case.spec(), sh.s, ring, gather)
-        device += 3 * sh.b * max(1, sh.h // members) * rows * keys * acc   # its scores, probabilities, gradient
+        # the backward's probabilities (the scores, in place), dS (dP, in place) and a copy einsum
+        # makes; the forward holds two (kernels.TorchTiles; test_kernels pins it)
+        device += 3 * sh.b * max(1, sh.h // members) * rows * keys * acc
     return host, device
 
 
