@@ -127,7 +127,17 @@ def find(name: Optional[str], option: str = "--profile") -> Profile:
     Errors name ``option``, the way the user gave the name."""
     if name is None:
         return Profile("cpu-default (embedded)", None, "CPU, gloo, 2 ranks: p2p x 3 softmax types x 2 masks", {}, [])
-    if name.endswith(".toml") or os.sep in name:
+    path = locate(name, option)
+    return load(path, None if _is_path(name) else name)
+
+
+def _is_path(name: str) -> bool:
+    return name.endswith(".toml") or os.sep in name
+
+
+def locate(name: str, option: str = "--profile") -> Path:
+    """The file of the profile ``name`` (a name from the profile directories, or a path), unread."""
+    if _is_path(name):
         path = Path(name)
         try:
             if not path.is_file():
@@ -135,12 +145,12 @@ def find(name: Optional[str], option: str = "--profile") -> Profile:
         except OSError as exc:   # a folder that cannot be entered
             raise ValueError(f"{option} {name!r}: {exc.strerror or exc}; name a profile file you can read "
                              f"(or a named profile, see sinkprof profiles)") from None
-        return load(path)
+        return path
     known = available()
     if name not in known:
         raise ValueError(f"{option} {name!r} is unknown; available: {', '.join(known) or 'none'} "
                          f"(or pass a path to a .toml file)")
-    return load(known[name], name)
+    return known[name]
 
 
 def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple = ()) -> list[Settings]:
@@ -191,8 +201,9 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
 
 def check_not_the_profile(options: CaseOptions, path: Optional[str], option: str) -> None:
     """``path``, a file the run writes, is not the profile file it reads (the result would replace it)."""
-    profile = find(options.profile).path
-    if path not in (None, STDOUT) and profile is not None and same_target(path, str(profile)):
+    if path in (None, STDOUT) or options.profile is None:
+        return
+    if same_target(path, str(locate(options.profile))):
         raise ValueError(f"{option} {path}: is the profile this run reads (--profile {options.profile}); "
                          f"write the result to another file")
 
