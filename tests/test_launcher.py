@@ -341,6 +341,35 @@ def test_a_rank_whose_peer_never_joins_says_so_in_one_line(tmp_path):
                                                           "and MASTER_PORT")
 
 
+def test_a_rank_whose_rank_0_never_starts_its_store_says_so_in_one_line_and_one_that_waits_joins():
+    """Rank 1 without rank 0 printed c10d's C++ stack frames at every retry before the one line; a
+    rank 1 started before rank 0 still joins it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    cmd = [sys.executable, "-m", "sinkprof", "check", "--seq-len", "32", "--heads", "2", "--head-dim", "8",
+           "--softmax", "learnable", "--mask", "causal"]
+    res = subprocess.run([*cmd, "--timeout", "2"], capture_output=True, text=True, env={**env, "RANK": "1"},
+                         timeout=120)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        f"sinkprof: rank 1: the 2 ranks did not meet at MASTER_ADDR=127.0.0.1 MASTER_PORT={port} within --timeout "
+        f"2s (nothing listened there: rank 0 never started its store); start every rank, with the same WORLD_SIZE, "
+        f"MASTER_ADDR and MASTER_PORT"]
+    late = subprocess.Popen([*cmd, "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**env, "RANK": "1"})
+    try:
+        time.sleep(3)   # rank 1 waits for the store
+        first = subprocess.run([*cmd, "--timeout", "60"], capture_output=True, text=True, env={**env, "RANK": "0"},
+                               timeout=120)
+        _, err = late.communicate(timeout=120)
+    finally:
+        late.kill()
+    assert (first.returncode, late.returncode, err) == (0, 0, ""), first.stderr + err
+    assert "2 passed, 0 failed" in first.stdout   # fp64 and bf16
+
+
 def _run_into(stdout, *args):
     return subprocess.run([sys.executable, "-m", "sinkprof", "check", "--seq-len", "64", "--heads", "2", "--head-dim",
                            "8", *args], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=180)

@@ -161,14 +161,37 @@ def init_from_env(device: str, requested_backend: str, timeout: float) -> RankIn
         at = ""
     else:
         at = f" at MASTER_ADDR={os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']}"
+
+    def unmet(why: str) -> CommError:
+        return CommError(f"rank {rank}: the {world} ranks did not meet{at} within --timeout {timeout:g}s ({why}); "
+                         f"start every rank, with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
+
+    # a client of the store waits for it here: c10d's own wait logs C++ stack frames at every retry
+    hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    if STORE_ENV not in os.environ and not hosts_store:
+        if not _store_listens(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout):
+            raise unmet("nothing listened there: rank 0 never started its store")
     try:
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout), **kwargs)
     except dist.DistError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CommError(f"rank {rank}: the {world} ranks did not meet{at} within --timeout {timeout:g}s ({first}); "
-                        f"start every rank, with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT") from None
+        raise unmet(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
     return RankInfo(rank, world, local_rank, dev, backend)
+
+
+def _store_listens(addr: str, port: int, timeout: float) -> bool:
+    """Whether something accepts a connection at ``addr:port`` within ``timeout`` seconds (rank 0's
+    store, or torchrun's agent's), trying again while it refuses: the rank that hosts it may start later."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            socket.create_connection((addr, port), timeout=min(left, 1.0)).close()
+            return True
+        except OSError:   # refused (not listening yet), timed out, unreachable for now
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 def _die_with_parent() -> None:
