@@ -53,6 +53,15 @@ def _refused(args, message, started):
     (["check", "--dist-backend", "mpi"], "--dist-backend"),
     (["check", "--inject", "skip-sink-slice"], "--inject skip-sink-slice: the fault applies to none"),
     (["check", "--inject", "aliased-reference", "--softmax", "vanilla,off-by-one"], "--softmax learnable"),
+    # faults that changed nothing, then passed with exit 0: partial has no all-reduce to skip, and a
+    # group of one rank's first heads are its own
+    (["check", "--softmax", "learnable", "--sink-grad", "partial", "--inject", "no-sink-reduce"],
+     "--inject no-sink-reduce: the fault applies to none of the 4 case(s) of this run; it needs a replicated "
+     "gradient (--softmax learnable or --bias) under the full contract"),
+    (["check", "--comm", "a2a+p2p", "--a2a-size", "1", "--softmax", "learnable", "--inject", "skip-sink-slice"],
+     "--inject skip-sink-slice: the fault applies to none"),
+    (["check", "--comm", "a2a", "--ranks", "1", "--softmax", "learnable", "--inject", "skip-sink-slice"],
+     "over a group of two ranks or more"),
     (["check", "--inject", "stall", "--ranks", "1", "--seq-len", "64"], "--ranks >= 2"),
     (["bench", "--inject", "crash", "--simulate", "4"], "--inject crash with --simulate: the fault stops a rank"),
     (["bench", "--simulate", ""], "--simulate needs at least one value"),

@@ -19,8 +19,8 @@ import torch
 
 from ..faults import RANK_FAILURES, Fault, Injected
 from ..kernels import resolve_backend
-from ..options import (DTYPES, AttnSpec, Backend, CommType, KVSchedule, PackLayout, QKVFormat, SoftmaxType, accum_dtype,
-                       check_seed, check_timeout)
+from ..options import (DTYPES, AttnSpec, Backend, CommType, KVSchedule, PackLayout, QKVFormat, SinkGrad, SoftmaxType,
+                       accum_dtype, check_seed, check_timeout)
 from ..plan import PARTS, RUN_ROWS, ring_plan, spec_layout
 from ..schedule import planless_kv_schedule
 from ..testing import Shape
@@ -62,14 +62,15 @@ def applies(fault: Fault, case: Case, ranks: int) -> bool:
     if fault is Fault.SINK_EVERY_TILE:
         return case.softmax.has_sink and sink_counted_again(case.spec(), case.shape.s, ring_ranks(case, ranks),
                                                             _ring_schedule(case, ranks))
-    if fault is Fault.NO_SINK_REDUCE:
-        return (learnable or case.bias) and ranks > 1
+    if fault is Fault.NO_SINK_REDUCE:   # the full contract's all-reduce (partial has none to skip)
+        return (learnable or case.bias) and ranks > 1 and case.sink_grad is SinkGrad.FULL
     if fault is Fault.ALIASED_REFERENCE:
         return learnable
     if fault is Fault.VANILLA_FALLBACK:
         return case.softmax.has_sink
-    if fault is Fault.SKIP_SINK_SLICE:
-        return learnable and case.comm in (CommType.A2A, CommType.A2A_P2P)
+    if fault is Fault.SKIP_SINK_SLICE:   # a group of one rank: the first heads' sinks are its own
+        return (learnable and case.comm in (CommType.A2A, CommType.A2A_P2P)
+                and a2a_members(case.comm, ranks, case.a2a_size) > 1)
     if fault is Fault.DROP_HALO:  # a row of a direct-schedule K/V message from ring rank 0 to ring rank 1
         schedule = _case_schedule(case, ranks)
         return (case.comm is not CommType.A2A and schedule is not None and schedule.kind is KVSchedule.DIRECT
@@ -156,10 +157,12 @@ WHAT_IT_NEEDS = {
     Fault.SINK_EVERY_TILE: (f"a sink (--softmax off-by-one or learnable) and a row that two ring tiles see: a ring of "
                             f"two ranks or more ({RING_OF_TWO}), a window wider than the diagonal, or none, and "
                             f"--kv-schedule ring, direct or auto (allgather gives each row one tile)"),
-    Fault.NO_SINK_REDUCE: "a replicated gradient (--softmax learnable or --bias) and --ranks >= 2",
+    Fault.NO_SINK_REDUCE: ("a replicated gradient (--softmax learnable or --bias) under the full contract "
+                           "(--sink-grad full: partial has no all-reduce) and --ranks >= 2"),
     Fault.ALIASED_REFERENCE: "a learnable offset (--softmax learnable)",
     Fault.VANILLA_FALLBACK: "a sink (--softmax off-by-one or learnable)",
-    Fault.SKIP_SINK_SLICE: "--softmax learnable with --comm a2a or a2a+p2p",
+    Fault.SKIP_SINK_SLICE: ("--softmax learnable with --comm a2a or a2a+p2p over a group of two ranks or more "
+                            "(--a2a-size >= 2; plain a2a's group is every rank)"),
     Fault.DROP_HALO: ("a direct K/V schedule in which ring rank 0 sends ring rank 1 K/V rows (--comm p2p or "
                       "a2a+p2p with --kv-schedule direct, at least two ring ranks, a window with left >= 1 or none)"),
     Fault.DOC_LEAK: ("a thd pack of which some rank holds two documents or more (--qkv-format thd with --seqlens "
