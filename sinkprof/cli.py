@@ -55,7 +55,11 @@ def split_list(value: str, option: str, parse: Callable = str, allowed: Optional
     for item in items:
         if allowed is not None and item not in allowed:
             raise ValueError(f"{option}: {item!r} is not one of {', '.join(allowed)} (or 'all')")
-    return [parse(item, option) for item in items]
+    values = [parse(item, option) for item in items]
+    twice = next((item for i, item in enumerate(items) if values[i] in values[:i]), None)
+    if twice is not None:   # a case given twice would be run twice, and its rows summed as one case's
+        raise ValueError(f"{option} {value}: {twice} is given twice; give each value once")
+    return values
 
 
 def positive_int(item: str, option: str) -> int:

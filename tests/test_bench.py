@@ -158,6 +158,29 @@ def test_simulate_and_report_keep_the_k_v_schedules_apart(tmp_path):
     assert len(steps) == 2 * 2 * 4    # schedule x phase x step
 
 
+def test_a_case_that_runs_as_an_earlier_one_is_skipped_not_summed_into_it(cli, tmp_path, capsys):
+    """``--kv-schedule auto,direct`` where auto runs direct: both cases wrote rows of one case, and
+    the summary and report showed twice its bytes and the sum of both timings (exit 0)."""
+    out = tmp_path / "real.csv"
+    res = cli("bench", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp32", "--kv-schedule", "auto,direct",
+              "--warmup", "0", "--iters", "2", "--csv", str(out))
+    assert res.returncode == 0, res.stderr
+    assert ("sinkprof bench: skipped case 2 (p2p/learnable/causal/bshd/fp32/step0/grad=full/kv=direct): it runs as "
+            "case 1 (p2p/learnable/causal/bshd/fp32/step0/grad=full) does") in res.stderr
+    df = load([out])
+    assert set(df["kv_schedule"]) == {"direct"}
+    assert len(df[df["kind"] == "iteration"]) == 2 * 2   # rank x iteration, of one case
+    sim = tmp_path / "sim.csv"
+    settings = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp32",), seq_len=64, kv_schedule=("auto", "direct"))
+    simulate([settings], BenchOptions(warmup=0, iters=1, phase="fwd", csv=str(sim), simulate=(2, 4)),
+             __import__("torch").device("cpu"))
+    said = capsys.readouterr().err
+    assert said.count("sinkprof bench: skipped case 2") == 2 and "at --simulate 4: it runs as case 1" in said
+    df = load([sim])
+    assert sorted(df.groupby("cp")["kv_schedule"].unique().map(tuple).tolist()) == [("direct",), ("direct",)]
+    assert len(df[df["kind"] == "iteration"]) == 2 + 4   # every rank of each size, once
+
+
 def test_report_rejects_a_file_that_is_not_a_bench_csv(tmp_path):
     bad = tmp_path / "x.csv"
     bad.write_text("a,b\n1,2\n")

@@ -69,6 +69,12 @@ def _refused(args, message, started):
     (["bench", "--simulate", "2,3"], "--simulate 3: --seq-len 64 must be divisible by 2 * cp = 6 (load-balanced "
                                      "chunks); use --seq-len 60, or drop 3 from --simulate"),
     (["bench", "--simulate", "4,3"], "use --seq-len 48"),   # one every size takes
+    # a value given twice ran its cases twice, and bench summed their rows as one case's
+    (["bench", "--dtype", "fp32,bf16,fp32"], "--dtype fp32,bf16,fp32: fp32 is given twice; give each value once"),
+    (["check", "--softmax", " learnable,vanilla , learnable"], "--softmax learnable,vanilla,learnable: learnable is "
+                                                                "given twice"),
+    (["bench", "--simulate", "2,4,2"], "--simulate 2,4,2: 2 is given twice"),
+    (["emulate", "--kv-schedule", "ring,ring"], "--kv-schedule ring,ring: ring is given twice"),
     (["bench", "--simulate", "4", "--comm", "a2a+p2p"], "--comm a2a+p2p with --simulate: a simulation replays the p2p"),
     (["check", "--inject", ""], "--inject='' is not supported"),
     (["emulate", "--cp", "2,--4"], "--cp: '--4' is not an integer"),
@@ -154,6 +160,9 @@ def test_an_output_that_is_a_folder_is_refused(no_launch, tmp_path):
     ("a = " + "{b = " * 400 + "1" + "}" * 400 + "\n", "nested too deeply"),
     ("a = " + "[" * 2000 + "]" * 2000 + "\n", "nested too deeply"),
     ("seq_len = 66\n", "(with the settings of profile"),
+    ('dtype = ["fp64", "fp64"]\n', "--dtype fp64,fp64: fp64 is given twice; give each value once (with the settings of "
+                                   "profile"),
+    ("ranks = 2\n[[cases]]\n[[cases]]\nranks = 4\n", "bad.toml: all [[cases]] must share ranks and device"),
 ])
 def test_profile_values_of_the_wrong_type_name_the_file_and_key(no_launch, tmp_path, text, message):
     path = tmp_path / "bad.toml"
@@ -161,6 +170,17 @@ def test_profile_values_of_the_wrong_type_name_the_file_and_key(no_launch, tmp_p
     out = _refused(["check", "--profile", str(path)], message, no_launch)
     assert "bad.toml" in out
     assert len(out.splitlines()) < 20
+
+
+def test_a_profile_takes_a_list_as_a_string_as_the_command_line_does(no_launch, tmp_path):
+    """``dtype = "all"`` and ``softmax = "vanilla,learnable"`` were refused as ``--dtype='all' is not
+    supported``, naming an option the user had not typed."""
+    from sinkprof.tool.cases import CaseOptions
+    from sinkprof.tool.profiles import settings_for
+    path = tmp_path / "lists.toml"
+    path.write_text('dtype = "all"\nsoftmax = " vanilla, learnable"\n')
+    (group,) = settings_for(CaseOptions(profile=str(path)))
+    assert group.dtype == ("fp64", "fp32", "bf16", "fp16") and group.softmax == ("vanilla", "learnable")
 
 
 def test_a_broken_profile_does_not_break_the_list(monkeypatch, tmp_path):

@@ -244,9 +244,14 @@ def bench_job(info: RankInfo, groups: list, opts: BenchOptions) -> int:
     writer = RowWriter(opts.csv) if info.rank == 0 else None
     run_id = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
     cases = [(settings, case) for settings in groups for case in expand(settings)]
+    ran: dict = {}
     try:
-        for settings, case in cases:
-            _bench_case(case, settings, info, opts, writer, run_id)
+        for number, (settings, case) in enumerate(cases, 1):
+            meta = metadata(case, info.world, info.device, get_kernel(settings.backend, info.device).name, False,
+                            opts.phase)
+            if not _first(ran, meta, number, case, loud=info.rank == 0):
+                continue
+            _bench_case(case, settings, info, opts, writer, run_id, meta)
     except BaseException:
         if writer is not None:
             writer.abandon()
@@ -255,6 +260,21 @@ def bench_job(info: RankInfo, groups: list, opts: BenchOptions) -> int:
         writer.close()
         _summary(writer.rows, opts.csv)
     return EXIT_OK
+
+
+def _first(ran: dict, meta: dict, number: int, case: Case, loud: bool) -> bool:
+    """Whether case ``number`` writes rows no earlier case of the run wrote (``ran``: what tells
+    cases apart in the CSV, report's ``CASE_KEYS``, to the first case of it). A case that would
+    write an earlier one's (``--kv-schedule auto,direct`` where auto runs direct; two profile
+    groups that share a case) is skipped with a note: its rows would be summed into that case's."""
+    from .report import CASE_KEYS
+    identity = tuple(str(meta[key]) for key in CASE_KEYS if key != "run_id")
+    first, label = ran.setdefault(identity, (number, case.label))
+    if first != number and loud:
+        at = f" at --simulate {meta['cp']}" if meta["simulated"] else ""
+        print(f"sinkprof bench: skipped case {number} ({case.label}){at}: it runs as case {first} ({label}) "
+              f"does, and its rows would be counted as that case's", file=sys.stderr)
+    return first == number
 
 
 def _summary(rows: list, csv_path: Optional[str]) -> None:
@@ -266,7 +286,8 @@ def _summary(rows: list, csv_path: Optional[str]) -> None:
             print(f"sinkprof bench: wrote {csv_path} ({len(rows)} rows)")
 
 
-def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptions, writer, run_id: str):
+def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptions, writer, run_id: str,
+                meta: dict):
     where.case = case.label
     cp, rank, device = info.world, info.rank, info.device
     spec = case.spec()
@@ -280,8 +301,6 @@ def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptio
     bias = x.bias.requires_grad_() if x.bias is not None else None
     grad_out = shard(x.grad_out, cp, rank, sd, cu, pl)
     a2a_size = case.a2a_size if case.comm is CommType.A2A_P2P else None
-    backend_name = get_kernel(settings.backend, device).name
-    meta = metadata(case, cp, device, backend_name, False, opts.phase)
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
 
     def fwd(inject: bool):
@@ -342,20 +361,26 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     run_id = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}-sim"
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     inputs: dict = {}   # made once per shape: at 128k they take the CPU most of a minute
-    for settings in groups:
-        for case in expand(settings):
-            spec = case.spec()
-            key = (case.shape, spec.softmax_type, spec.qkv_format, spec.docs, settings.seed, case.bias, case.dtype)
-            if key not in inputs:
-                inputs.clear()
-                inputs[key] = make_inputs(case.shape, spec, settings.seed, with_bias=case.bias).to(device,
-                                                                                                  DTYPES[case.dtype])
-            for cp in opts.simulate:
-                for rows in _simulate_case(case, settings, cp, device, opts, inputs[key]):
-                    meta = metadata(case, cp, device, get_kernel(settings.backend, device).name, True, opts.phase)
-                    if opts.link is not None:
-                        meta["link"] = opts.link.describe()
-                    writer.append([dict(meta, **r, run_id=run_id, timestamp=stamp) for r in rows])
+    ran: dict = {}
+    cases = [(settings, case) for settings in groups for case in expand(settings)]
+    for number, (settings, case) in enumerate(cases, 1):
+        backend = get_kernel(settings.backend, device).name
+        sizes = [cp for cp in opts.simulate
+                 if _first(ran, metadata(case, cp, device, backend, True, opts.phase), number, case, loud=True)]
+        if not sizes:
+            continue
+        spec = case.spec()
+        key = (case.shape, spec.softmax_type, spec.qkv_format, spec.docs, settings.seed, case.bias, case.dtype)
+        if key not in inputs:
+            inputs.clear()
+            inputs[key] = make_inputs(case.shape, spec, settings.seed, with_bias=case.bias).to(device,
+                                                                                              DTYPES[case.dtype])
+        for cp in sizes:
+            meta = metadata(case, cp, device, backend, True, opts.phase)
+            if opts.link is not None:
+                meta["link"] = opts.link.describe()
+            for rows in _simulate_case(case, settings, cp, device, opts, inputs[key]):
+                writer.append([dict(meta, **r, run_id=run_id, timestamp=stamp) for r in rows])
     writer.close()
     _summary(writer.rows, opts.csv)
     return EXIT_OK

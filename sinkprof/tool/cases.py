@@ -97,8 +97,13 @@ class Settings:
         """Raise ValueError naming the option for anything a run would trip over later, with the
         library's own checks (the ones ``cp_attention`` runs on the tensors)."""
         for name in LIST_FIELDS:
-            if not getattr(self, name):
+            values = getattr(self, name)
+            if not values:
                 raise ValueError(f"{option(name)} needs at least one value, e.g. {ALL[name][0]} (or 'all')")
+            twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+            if twice is not None:   # its cases would run twice, and bench would sum their rows as one case's
+                raise ValueError(f"{option(name)} {','.join(map(str, values))}: {twice} is given twice; give each "
+                                 f"value once")
         for name, enum in (("comm", CommType), ("softmax", SoftmaxType), ("mask", MaskType),
                            ("qkv_format", QKVFormat), ("sink_grad", SinkGrad), ("kv_schedule", KVSchedule)):
             for value in getattr(self, name):
@@ -284,6 +289,13 @@ def merge_layers(layers: list) -> dict:
 LIST_FIELDS = ("comm", "softmax", "mask", "qkv_format", "dtype", "sink_strategy", "sink_grad", "kv_schedule")
 
 
+def list_value(name: str, text: str) -> tuple:
+    """A list setting as the command line and a profile's string give it: comma-separated values,
+    or ``all`` for every one (``ALL``)."""
+    value = tuple(v.strip() for v in text.split(",") if v.strip())
+    return ALL[name] if value == ("all",) else value
+
+
 def option(name: str) -> str:
     """The command-line option of a ``Settings`` field (its profile key is the field name)."""
     return "--" + name.replace("_", "-")
@@ -445,9 +457,7 @@ class CaseOptions:
             if value is None:
                 continue
             if f.name in ALL:
-                value = tuple(v.strip() for v in value.split(",") if v.strip())
-                if value == ("all",):
-                    value = ALL[f.name]
+                value = list_value(f.name, value)
             elif f.name == "window":
                 value = window_pair(value, "--window")
             elif f.name == "seqlens":

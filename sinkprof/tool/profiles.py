@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..options import CommType
-from .cases import CaseOptions, Settings, check_pack_layer, merge_layers
+from .cases import CaseOptions, Settings, check_pack_layer, list_value, merge_layers
 from .launcher import torchrun_env
 from .output import STDOUT, Output, same_target
 from .preflight import check_dist_backend
@@ -83,8 +83,8 @@ def _normalize(data: dict, where: str) -> dict:
         expected = _expected(key, value)
         if expected is not None:
             raise ValueError(f"{where}: {key} = {value!r} must be {expected}")
-        if key in LIST_FIELDS:
-            value = tuple(value) if isinstance(value, list) else (value,)
+        if key in LIST_FIELDS:   # a list, or a string as --dtype takes one ("fp64,bf16", "all")
+            value = tuple(value) if isinstance(value, list) else list_value(key, value)
         elif key in ("window", "seqlens") and value is not None:
             value = tuple(value)
         out[key] = value
@@ -190,7 +190,8 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
                          f"b = 1; drop --batch, or add bshd or sbhd to --qkv-format (their cases take it)")
     first = groups[0]
     if any(gr.ranks != first.ranks or gr.device != first.device for gr in groups):
-        raise ValueError("all [[cases]] of a profile must share ranks and device")
+        raise ValueError(f"profile {profile.path}: all [[cases]] must share ranks and device; set them at its "
+                         f"top level (or on the command line)")
     if first.device == "cuda":
         import torch
         if not torch.cuda.is_available():
