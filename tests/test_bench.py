@@ -84,15 +84,18 @@ def test_bench_direct_schedule_rows_carry_the_planned_bytes(cli, tmp_path):
     # one tile per row wrote it (fp32 would be twice the bytes)
 
 
-def test_a_crash_mid_run_keeps_the_rows_already_measured(cli, tmp_path):
+@pytest.mark.parametrize("phase", ["fwdbwd", "bwd"])
+def test_a_crash_mid_run_keeps_the_rows_already_measured(cli, tmp_path, phase):
+    """Under --phase bwd the fault never fired (its forward ran without it): exit 0, a whole CSV."""
     out = tmp_path / "bench.csv"
     res = cli("bench", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp32", "--warmup", "1",
-              "--iters", "3", "--csv", str(out), "--inject", "crash", "--timeout", "10")
+              "--iters", "3", "--phase", phase, "--csv", str(out), "--inject", "crash", "--timeout", "10")
     assert res.returncode == 1
     assert not out.exists()
     partial = Path(str(out) + ".partial")
     df = pd.read_csv(partial)
     assert set(df["iteration"]) == {0} and set(df["rank"]) == {0, 1}
+    assert set(df.loc[df["kind"] == "iteration", "phase"]) == {phase}
     _assert_consistent(df)
 
 

@@ -65,6 +65,8 @@ def _refused(args, message, started):
     (["check", "--inject", "stall", "--ranks", "1", "--seq-len", "64"], "--ranks >= 2"),
     (["bench", "--inject", "crash", "--simulate", "4"], "--inject crash with --simulate: the fault stops a rank"),
     (["bench", "--simulate", ""], "--simulate needs at least one value"),
+    (["bench", "--inject", "stall", "--iters", "1"], "--inject stall --iters 1: the fault stops rank 1 in the second "
+                                                     "measured iteration, which this run has not; use --iters 2"),
     (["bench", "--simulate", "2", "--ranks", "4"], "--ranks 4 with --simulate"),
     (["bench", "--simulate", "2,3"], "--simulate 3: --seq-len 64 must be divisible by 2 * cp = 6 (load-balanced "
                                      "chunks); use --seq-len 60, or drop 3 from --simulate"),

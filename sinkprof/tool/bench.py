@@ -76,6 +76,9 @@ class BenchOptions:
         if self.fault not in (None, *RANK_FAILURES):
             raise ValueError(f"--inject {self.fault.value!r}: bench injects only stall or crash; "
                              f"the others belong to check")
+        if self.fault is not None and not self.simulate and self.iters < 2:
+            raise ValueError(f"--inject {self.fault.value} --iters {self.iters}: the fault stops rank 1 in the second "
+                             f"measured iteration, which this run has not; use --iters 2 or more")
 
 
 def trace_file(trace: str, rank: int) -> Path:
@@ -224,8 +227,8 @@ def _run_iterations(phase: str, iters: int, warmup: int, probe, fwd, bwd, rows_o
         index = it - warmup
         inject = fault_at is not None and measured and index == 1
         with profiling.installed(probe if measured else profiling.NullProbe()):
-            if phase == "bwd":
-                out = fwd(False)
+            if phase == "bwd":   # the untimed forward of the iteration is where the fault fires
+                out = fwd(inject)
                 with probe.iteration("bwd", index) if measured else contextlib.nullcontext():
                     bwd(out)
             else:
