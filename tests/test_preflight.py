@@ -117,6 +117,14 @@ def _refused(args, message, started):
     (["check", "--seq-len", "16777216", "--heads", "64", "--head-dim", "256"], "GiB of host memory"),
     (["check", "--qkv-format", "thd", "--seq-len", "1000000000000"], "GiB of host memory"),
     (["emulate", "--cp", "2", "--qkv-format", "thd", "--seq-len", "1000000000000"], "GiB of host memory"),
+    # a pack past sys.maxsize units was an OverflowError traceback (random.sample of a range)
+    (["check", "--qkv-format", "thd", "--seq-len", "40000000000000000000"], "about 2.89e+31 GiB of host memory"),
+    (["emulate", "--cp", "2", "--qkv-format", "thd", "--seq-len", "40000000000000000000"], "GiB of host memory"),
+    (["check", "--qkv-format", "thd", "--docs", "2000000", "--seq-len", "400000000"],
+     "--docs 2000000: at most 1048576 random documents"),
+    # the label of a long pack was every length, one line of 600 kB
+    (["check", "--qkv-format", "thd", "--docs", "1000", "--seq-len", "40000000"],
+     "largest case p2p/vanilla/causal/thd/docs=1000 documents/fp64, s=40000000)"),
 ])
 def test_usage_errors_name_the_option_and_start_no_rank(no_launch, args, message):
     _refused(args, message, no_launch)

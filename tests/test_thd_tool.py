@@ -363,7 +363,7 @@ def test_check_all_formats_with_random_documents_and_a_long_pack_in_the_table(cl
     many = cli("check", "--qkv-format", "thd", "--docs", "12", "--seq-len", "96", "--softmax", "learnable",
                "--mask", "causal", "--dtype", "fp64")
     assert many.returncode == 0, many.stdout + many.stderr
-    assert "12 docs" in many.stdout and "docs=" not in many.stdout      # the lengths are in --format json
+    assert "docs=12 documents" in many.stdout and "docs=8" not in many.stdout   # the lengths are in --format json
 
 
 @pytest.mark.slow

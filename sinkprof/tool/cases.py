@@ -12,6 +12,7 @@ import itertools
 import math
 import random
 import re
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +26,7 @@ from ..plan import spec_layout
 from ..testing import Shape
 
 DEFAULT_DOCS = 3    # documents of a thd pack given neither --seqlens nor --docs (fewer if the pack is short)
+MAX_DOCS = 2 ** 20  # random documents drawn at most
 
 
 def check_head_counts(heads: int, kv_heads: int) -> None:
@@ -206,6 +208,9 @@ class Settings:
         count = min(DEFAULT_DOCS, units) if self.docs is None else self.docs
         if count < 1:
             raise ValueError(f"--docs {count} must be >= 1 (the number of documents in a thd pack)")
+        if count > MAX_DOCS:   # their lengths alone would take gigabytes before the memory check could refuse
+            raise ValueError(f"--docs {count}: at most {MAX_DOCS} random documents (a pack of more is far past "
+                             f"what a check or a bench runs); use --docs {MAX_DOCS} or fewer")
         if count > units:
             raise ValueError(f"--docs {count}: {count} documents of at least {multiple} tokens ({why}) need "
                              f"--seq-len >= {count * multiple}, and it is {self.seq_len}; use --docs {units} or "
@@ -229,13 +234,27 @@ def random_documents(total: int, count: int, multiple: int, seed: int) -> tuple[
     check that needs its documents)."""
     units = total // multiple
     # torch's seeds run from -2**63 to 2**64-1; Random would seed -5 as 5
-    cuts = sorted(random.Random(seed % 2 ** 64).sample(range(1, units), count - 1))
+    draw = random.Random(seed % 2 ** 64)
+    if units <= sys.maxsize:
+        cuts = sorted(draw.sample(range(1, units), count - 1))
+    else:   # a range past sys.maxsize has no len(); among 2**63 points a repeat is all but impossible
+        picked: set = set()
+        while len(picked) < count - 1:
+            picked.add(draw.randrange(1, units))
+        cuts = sorted(picked)
     ends = [0, *cuts, units]
     return tuple((b - a) * multiple for a, b in zip(ends, ends[1:]))
 
 
 def seqlens_text(docs) -> str:
     return ",".join(map(str, docs))
+
+
+def docs_label(docs) -> str:
+    """A pack's document lengths as a label shows them: the list, or ``N documents`` when long (a
+    pack of 300000 made one message 600 kB long)."""
+    text = seqlens_text(docs)
+    return text if len(text) <= 24 else f"{len(docs)} documents"
 
 
 def parse_seqlens(text: str, arg: str = "--seqlens") -> tuple[int, ...]:
@@ -360,7 +379,7 @@ class Case:
         parts = {"comm": f"a2a+p2p({self.a2a_size})" if self.comm is CommType.A2A_P2P else self.comm.value,
                  "softmax": self.softmax.value, "mask": self.mask.value, "qkv_format": self.qkv_format.value}
         if self.docs:
-            parts["docs"] = f"docs={seqlens_text(self.docs)}"
+            parts["docs"] = f"docs={docs_label(self.docs)}"
         if self.pack_layout is not PackLayout.ZIGZAG:
             parts["pack_layout"] = f"layout={self.pack_layout.value}"
         parts["dtype"] = self.dtype

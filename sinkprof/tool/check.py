@@ -385,17 +385,12 @@ def report(results: list, passed: bool, info: RankInfo, settings: Settings, faul
 COMPARED = tuple(n for n in NAMES if n not in ("comm", "reference"))
 
 
-TABLE_DOCS = 24   # characters: a longer list of documents shows as their count in the table
-
-
 def case_parts(case: Case) -> dict:
     """What the table says about a case: its options and its shape (cases of several settings
-    groups may differ in shape); a pack's documents as their lengths, or their count when the
+    groups may differ in shape); a pack's documents as its label shows them, their count when the
     list is long (``--format json`` lists them)."""
     sh = case.shape
     parts = case.parts()
-    if len(parts.get("docs", "")) > TABLE_DOCS:
-        parts["docs"] = f"{len(case.docs)} docs"
     size = f"t={sh.s}" if case.docs else f"b={sh.b} s={sh.s}"
     return dict(parts, shape=f"{size} h={sh.h} g={sh.g} d={sh.d}")
 

@@ -404,4 +404,5 @@ def _placed(need: tuple[int, int], device: str) -> tuple[int, int]:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
+    """Bytes in GiB: one decimal, or three significant digits past a million GiB (not 33 digits)."""
+    return f"{n / GIB:.1f} GiB" if n < 10 ** 6 * GIB else f"{n / GIB:.3g} GiB"

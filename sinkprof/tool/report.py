@@ -28,7 +28,7 @@ from typing import Optional
 import pandas as pd
 
 from ..options import Backend, MaskType, PackLayout, parse_window, window_pair
-from .cases import ALL
+from .cases import ALL, docs_label
 from .output import STDOUT, Output, check_writable, same_target, target, typed, write_bytes, write_text
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "sink_grad", "mask", "window", "bias", "qkv_format", "dtype",
@@ -663,9 +663,8 @@ def label(row) -> str:
 
 
 def docs_text(docs: str) -> str:
-    """A pack's document lengths as a title shows them: the list, or ``N`` documents when long."""
-    lengths = [d for d in str(docs).split(",") if d.strip()]
-    return str(docs) if len(str(docs)) <= 24 else f"{len(lengths)} documents"
+    """A pack's document lengths (a CSV cell) as a title shows them (``cases.docs_label``)."""
+    return docs_label([d for d in str(docs).split(",") if d.strip()])
 
 
 def _slug_part(text: str) -> str:
