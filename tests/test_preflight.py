@@ -2,6 +2,7 @@
 profile file and key) and the fix, no traceback, in a second or two."""
 import dataclasses
 import itertools
+import os
 import re
 import shlex
 import time
@@ -201,6 +202,18 @@ def test_a_broken_profile_does_not_break_the_list(monkeypatch, tmp_path):
     assert res.exit_code == 0, res.output
     assert "a fine one" in res.output and "cpu-default" in res.output
     assert "broken" in res.output and "invalid TOML" in res.output
+
+
+def test_a_profile_that_is_a_fifo_is_named_not_waited_for(no_launch, monkeypatch, tmp_path):
+    """A FIFO named *.toml in $SINKPROF_PROFILES hung ``sinkprof profiles`` (its read waits for a
+    writer), and ``--profile ./f.toml`` said ``no such file`` of it."""
+    os.mkfifo(tmp_path / "f.toml")
+    monkeypatch.setenv("SINKPROF_PROFILES", str(tmp_path))
+    res = runner.invoke(app, ["profiles"])
+    assert res.exit_code == 0 and "not a regular file (a FIFO)" in " ".join(res.output.split()), res.output
+    _refused(["check", "--profile", "f"], f"profile {tmp_path / 'f.toml'}: not a regular file (a FIFO)", no_launch)
+    _refused(["check", "--profile", str(tmp_path / "f.toml")], "a FIFO, not a regular file", no_launch)
+    _refused(["bench", "--profile", "/dev/null"], "--profile '/dev/null': a device, not a regular file", no_launch)
 
 
 def test_usage_errors_in_a_real_process_take_seconds_and_print_no_traceback(cli):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 import tomllib
 from importlib import resources
 from dataclasses import dataclass
@@ -93,6 +94,8 @@ def _normalize(data: dict, where: str) -> dict:
 
 def load(path: Path, name: Optional[str] = None) -> Profile:
     try:
+        if path.exists() and not path.is_file():   # a FIFO's read would wait for a writer, a device's never end
+            raise ValueError(f"profile {path}: not a regular file ({_kind(path)}); name a profile file")
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"profile {path}: invalid TOML: {exc}") from None
@@ -131,6 +134,13 @@ def find(name: Optional[str], option: str = "--profile") -> Profile:
     return load(path, None if _is_path(name) else name)
 
 
+def _kind(path: Path) -> str:
+    """What a path that is not a regular file is, in words."""
+    mode = path.stat().st_mode
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device")
+
+
 def _is_path(name: str) -> bool:
     return name.endswith(".toml") or os.sep in name
 
@@ -141,7 +151,8 @@ def locate(name: str, option: str = "--profile") -> Path:
         path = Path(name)
         try:
             if not path.is_file():
-                raise ValueError(f"{option} {name!r}: {'a folder, not a file' if path.is_dir() else 'no such file'}")
+                raise ValueError(f"{option} {name!r}: "
+                                 f"{'no such file' if not path.exists() else _kind(path) + ', not a regular file'}")
         except OSError as exc:   # a folder that cannot be entered
             raise ValueError(f"{option} {name!r}: {exc.strerror or exc}; name a profile file you can read "
                              f"(or a named profile, see sinkprof profiles)") from None
