@@ -204,6 +204,18 @@ def test_a_broken_profile_does_not_break_the_list(monkeypatch, tmp_path):
     assert "broken" in res.output and "invalid TOML" in res.output
 
 
+def test_under_torchrun_the_errors_name_world_size_not_ranks(no_launch, monkeypatch):
+    """torchrun's world size is WORLD_SIZE, and --ranks is refused under it: the errors named
+    ``--ranks 3``, which the user had not given and could not."""
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
+        monkeypatch.setenv(name, value)
+    _refused(["check"], "WORLD_SIZE=3: --seq-len 64 must be divisible by 2 * cp = 6 (load-balanced chunks); use "
+                        "--seq-len 60", no_launch)
+    _refused(["check", "--comm", "a2a+p2p", "--seq-len", "60"], "--a2a-size 2 must divide WORLD_SIZE=3 (a2a+p2p "
+                                                                 "runs a ring", no_launch)
+    _refused(["bench", "--qkv-format", "thd", "--seqlens", "32,28"], "--seqlens 32,28 at WORLD_SIZE=3:", no_launch)
+
+
 def test_a_profile_that_is_a_fifo_is_named_not_waited_for(no_launch, monkeypatch, tmp_path):
     """A FIFO named *.toml in $SINKPROF_PROFILES hung ``sinkprof profiles`` (its read waits for a
     writer), and ``--profile ./f.toml`` said ``no such file`` of it."""

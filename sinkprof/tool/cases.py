@@ -37,6 +37,11 @@ def check_head_counts(heads: int, kv_heads: int) -> None:
         raise ValueError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} (GQA)") from None
 
 
+def as_given(name: str, value) -> str:
+    """A value as the user gave it: ``--ranks 3`` for an option, ``WORLD_SIZE=3`` for a variable."""
+    return f"{name} {value}" if name.startswith("-") else f"{name}={value}"
+
+
 def check_seq_len(seq_len: int, cps, cp_option: str) -> None:
     """``--seq-len`` splits into ``2 * cp`` load-balanced chunks under every cp of ``cps`` (the
     values of ``cp_option``); the error names the cp and suggests a length every cp takes."""
@@ -44,7 +49,7 @@ def check_seq_len(seq_len: int, cps, cp_option: str) -> None:
         if seq_len % (2 * cp):
             step = math.lcm(*(2 * c for c in cps))
             drop = f", or drop {cp} from {cp_option}" if len(set(cps)) > 1 else ""
-            raise ValueError(f"{cp_option} {cp}: --seq-len {seq_len} must be divisible by 2 * cp = {2 * cp} "
+            raise ValueError(f"{as_given(cp_option, cp)}: --seq-len {seq_len} must be divisible by 2 * cp = {2 * cp} "
                              f"(load-balanced chunks); use --seq-len {max(step, seq_len // step * step)}{drop}")
 
 
@@ -95,9 +100,10 @@ class Settings:
     backend: str = "auto"
     seed: int = 0
 
-    def validate(self) -> None:
+    def validate(self, ranks_name: str = "--ranks") -> None:
         """Raise ValueError naming the option for anything a run would trip over later, with the
-        library's own checks (the ones ``cp_attention`` runs on the tensors)."""
+        library's own checks (the ones ``cp_attention`` runs on the tensors). ``ranks_name`` is
+        where the ranks came from (``WORLD_SIZE`` under torchrun, where --ranks is refused)."""
         for name in LIST_FIELDS:
             values = getattr(self, name)
             if not values:
@@ -127,8 +133,8 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{option(name)} {getattr(self, name)} must be >= 1")
         check_head_counts(self.heads, self.kv_heads)
-        self.validate_pack()   # first: explicit lengths get the library's message (it names pad_pack)
-        check_seq_len(self.seq_len, (self.ranks,), "--ranks")
+        self.validate_pack(ranks_name)   # first: explicit lengths get the library's message (it names pad_pack)
+        check_seq_len(self.seq_len, (self.ranks,), ranks_name)
         check_window(self.window, [MaskType(m) for m in self.mask])
         for comm in map(CommType, self.comm):
             members = a2a_members(comm, self.ranks, self.a2a_size)
@@ -136,9 +142,9 @@ class Settings:
                 check_a2a_size(members, self.ranks, self.heads, self.kv_heads)
                 check_heads(self.heads, self.kv_heads, members, self.ranks)
             except A2AError as exc:
-                raise ValueError(a2a_usage(comm, exc)) from None
+                raise ValueError(a2a_usage(comm, exc, ranks_name)) from None
 
-    def validate_pack(self) -> None:
+    def validate_pack(self, ranks_name: str = "--ranks") -> None:
         """The thd options: given only with thd, documents that sum to the pack and that every rank
         can cut into load-balanced chunks (the library's check, which names ``sinkprof.pad_pack``)."""
         if self.docs is not None and self.docs < 1:
@@ -177,7 +183,7 @@ class Settings:
             try:
                 spec_layout(self.pack_spec(self.seqlens, self.pack_layout), self.seq_len, self.ranks)
             except ValueError as exc:
-                raise ValueError(f"--seqlens {text} at --ranks {self.ranks}: {exc}") from None
+                raise ValueError(f"--seqlens {text} at {as_given(ranks_name, self.ranks)}: {exc}") from None
         elif self.seq_len % (2 * self.ranks) == 0:   # else the --seq-len check below says so
             self.documents()
 
@@ -326,25 +332,26 @@ def a2a_members(comm: CommType, cp: int, a2a_size: int) -> int:
     return options_a2a_members(comm, cp, a2a_size if comm is CommType.A2A_P2P else None)
 
 
-def a2a_usage(comm: CommType, exc: A2AError) -> str:
+def a2a_usage(comm: CommType, exc: A2AError, ranks_name: str = "--ranks") -> str:
     """The library's verdict on an a2a group (``check_a2a_size``, ``check_heads`` with the heads
     and the ranks) in option names, with a fix the library says fits."""
     heads = f"--heads {exc.h} and --kv-heads {exc.g}"
+    ranks = as_given(ranks_name, exc.world)
     if exc.problem is A2AProblem.GROUP:
         fit = max(n for n in exc.sizes if n <= exc.members)
-        return (f"--a2a-size {exc.members} must divide --ranks {exc.world} (a2a+p2p runs a ring of a2a groups of "
-                f"that size); use --a2a-size {fit} (the a2a sizes that divide --ranks {exc.world} and split "
+        return (f"--a2a-size {exc.members} must divide {ranks} (a2a+p2p runs a ring of a2a groups of "
+                f"that size); use --a2a-size {fit} (the a2a sizes that divide {ranks} and split "
                 f"{heads}: {', '.join(map(str, exc.sizes))})")
     above_one = [n for n in exc.sizes if n > 1]
-    size = (f"an --a2a-size that divides both and --ranks {exc.world}: --a2a-size {max(above_one)}" if above_one
+    size = (f"an --a2a-size that divides both and {ranks}: --a2a-size {max(above_one)}" if above_one
             else None)
     if comm is CommType.A2A:
         fix = (f"use --heads and --kv-heads divisible by {exc.members} (a2a splits them over every rank), or "
                + (f"--comm a2a+p2p with {size}" if size else
-                  f"--comm p2p (no --a2a-size above 1 divides both and --ranks {exc.world})"))
+                  f"--comm p2p (no --a2a-size above 1 divides both and {ranks})"))
     else:
         fix = (f"use {size}" if size else
-               f"use --comm p2p (no --a2a-size above 1 divides both and --ranks {exc.world})")
+               f"use --comm p2p (no --a2a-size above 1 divides both and {ranks})")
     return (f"--comm {comm.value} over {exc.members} ranks splits the heads: {heads} must both be divisible by "
             f"{exc.members}; {fix}")
 

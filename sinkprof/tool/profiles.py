@@ -188,7 +188,7 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
         check_simulated_comm(profile, overrides, options.comm)
     for i, settings in enumerate(groups):
         try:
-            settings.validate()
+            settings.validate("--ranks" if env is None else "WORLD_SIZE")
             # the thd pack drawn once, here: every rank (and --simulate's every cp) gets these lengths
             groups[i] = settings.with_documents(cps)
         except ValueError as exc:
