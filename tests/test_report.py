@@ -142,6 +142,18 @@ def test_summary_labels_cases_by_kv_schedule():
     assert "kv=ring" in common
 
 
+def test_summary_words_the_bias_sink_gradient_pack_and_a2a_size():
+    """The summary's title said ``False`` for the bias and ``full`` for the sink gradient, bare."""
+    rows = [dict(_case(bias=False, sink_grad="full", a2a_size="", docs="", pack_layout=""), phase="fwd",
+                 predicted=False),
+            dict(_case(bias=True, sink_grad="partial", a2a_size="2", docs="8,40,16", pack_layout="balanced"),
+                 phase="fwd", predicted=False)]
+    labels, common = figures.case_labels(pd.DataFrame(rows))
+    assert labels == ["sink_grad=full no bias", "sink_grad=partial bias a2a_size=2 docs=8,40,16 layout=balanced"]
+    labels, common = figures.case_labels(pd.DataFrame(rows[:1]))
+    assert "no bias" in common and "sink_grad=full" in common and "False" not in common
+
+
 def test_summary_labels_cases_by_what_differs(csvs):
     its = iteration_table(load(list(csvs)))
     labels, common = figures.case_labels(its)

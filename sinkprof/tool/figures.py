@@ -17,8 +17,8 @@ from typing import Optional
 
 import pandas as pd
 
-from .report import (CASE_KEYS, COMM_KINDS, STEP_KINDS, TIME_COLUMNS, beside, case_rows, exposed_spans,
-                     flops_unit, iteration_table, label, run_part, slugs)
+from .report import (CASE_KEYS, COMM_KINDS, STEP_KINDS, TIME_COLUMNS, TRUE, beside, case_rows, docs_text,
+                     exposed_spans, flops_unit, iteration_table, label, run_part, slugs)
 
 COMPUTE = "#4C72B0"
 HIDDEN = "#55A868"
@@ -175,6 +175,14 @@ def _show(key: str, value) -> str:
         return str(value) or "no sink"
     if key == "kv_schedule":
         return f"kv={value}" if str(value) else ""
+    if key in ("sink_grad", "a2a_size"):   # as ``report.label`` words them
+        return f"{key}={value}" if str(value) else ""
+    if key == "docs":
+        return f"docs={docs_text(value)}" if str(value) else ""
+    if key == "pack_layout":
+        return f"layout={value}" if str(value) else ""
+    if key == "bias":
+        return "bias" if str(value).strip().lower() in TRUE else "no bias"
     return str(value)
 
 
