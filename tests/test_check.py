@@ -109,7 +109,7 @@ def test_a_run_that_outlives_its_run_timeout_reports_the_cases_it_finished_to_it
     whose exchange broke when a peer's watchdog ended that peer does)."""
     out = tmp_path / "check.txt"
     res = cli("check", "--comm", "a2a,p2p", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp64",
-              "--inject", "stall", "--timeout", "60", "--run-timeout", "30", "--output", str(out))
+              "--inject", "stall", "--timeout", "60", "--run-timeout", "15", "--output", str(out))
     assert res.returncode == 1
     text = out.read_text()
     assert "1 passed, 0 failed" in text and "stopped at case 2 of 2 (p2p/learnable" in text
