@@ -96,6 +96,21 @@ def test_backward_dkv_travels_behind_and_the_last_one_is_exposed():
     assert comp + exposed == pytest.approx(it["dur_ms"])
 
 
+def test_a_message_in_the_host_gap_between_steps_is_exposed_as_in_a_measured_run():
+    """dK/dV of step 0 (1 ms) runs 1..2, in the gap 1..1.5 before step 1 computes 1.5..2.5: it
+    stalls nothing (it lands before step 1 ends), yet 0.5 ms of it lies under no compute. The rows
+    said 0 exposed (the model's stall) while report, the pictures and the trace, which count what
+    no compute hides, as for a measured run, said 0.5: the title's share was 3x the rows'."""
+    link = Link("x", 1.0, 0.0)
+    rows = _rows([("bwd", 0, 0.0, 1.0), ("bwd", 1, 1.5, 2.5)], 2.5)
+    out = predict(rows, [_t(sent=1_000_000, received=1_000_000, phase="bwd", step=0, kind="dkv")], link)
+    dkv = _by(out, "dkv")[("bwd", 0)]
+    assert (dkv["start_ms"], dkv["end_ms"]) == (pytest.approx(1.0), pytest.approx(2.0))
+    assert (dkv["overlap_ms"], dkv["exposed_ms"]) == (pytest.approx(0.5), pytest.approx(0.5))
+    it = [r for r in out if r["kind"] == "iteration"][0]
+    assert it["dur_ms"] == pytest.approx(2.5)   # no stall: the iteration is as measured
+
+
 def test_allgather_waits_for_its_kv_before_its_one_step_and_exposes_all_of_it():
     # one step of 1 ms per phase; K/V 1.5 ms before it; dK/dV 2 ms after it, waited at once
     link = Link("x", 1.0, 0.0)
