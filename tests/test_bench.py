@@ -182,6 +182,16 @@ def test_a_case_that_runs_as_an_earlier_one_is_skipped_not_summed_into_it(cli, t
     df = load([sim])
     assert sorted(df.groupby("cp")["kv_schedule"].unique().map(tuple).tolist()) == [("direct",), ("direct",)]
     assert len(df[df["kind"] == "iteration"]) == 2 + 4   # every rank of each size, once
+    # a bias without a sink: the two gradient contracts are two cases (partial skips the bias
+    # gradient's all-reduce), told apart by sink_grad, neither skipped
+    both = tmp_path / "bias.csv"
+    settings = Settings(softmax=("vanilla",), mask=("causal",), dtype=("fp32",), seq_len=64, bias=True,
+                        sink_grad=("full", "partial"))
+    simulate([settings], BenchOptions(warmup=0, iters=1, phase="bwd", csv=str(both), simulate=(2,)),
+             __import__("torch").device("cpu"))
+    assert "skipped" not in capsys.readouterr().err
+    df = load([both])
+    assert sorted(df.loc[df["kind"] == "iteration", "sink_grad"]) == ["full", "full", "partial", "partial"]
 
 
 def test_report_rejects_a_file_that_is_not_a_bench_csv(tmp_path):

@@ -74,10 +74,17 @@ def test_every_injected_fault_makes_check_fail(cli, fault, broken):
 
 
 def test_partial_contract_without_reduction_is_what_no_sink_reduce_looks_like(cli):
-    # With the partial contract the missing all-reduce is the contract itself, so the check passes.
-    res = cli("check", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp64", "--sink-grad", "partial",
+    """With the partial contract the missing all-reduce is the contract itself: its case passes
+    under the fault, the full contract's fails; a run of partial cases alone is refused (exit 2),
+    as a fault that applies to no case is."""
+    res = cli("check", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp64", "--sink-grad", "full,partial",
               "--inject", "no-sink-reduce", "--format", "json")
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert [(c["sink_grad"], c["passed"]) for c in json.loads(res.stdout)["cases"]] == [("full", False),
+                                                                                       ("partial", True)]
+    res = cli("check", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp64", "--sink-grad", "partial",
+              "--inject", "no-sink-reduce")
+    assert res.returncode == 2 and "--inject no-sink-reduce: the fault applies to none" in res.stderr
 
 
 @pytest.mark.parametrize("fault", ["stall", "crash"])

@@ -137,7 +137,7 @@ def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simul
     return {
         "comm": case.comm.value, "softmax": case.softmax.value,
         "sink_strategy": case.sink_strategy.value if case.softmax.has_sink else "",
-        "sink_grad": case.sink_grad.value if case.softmax.has_sink else "",
+        "sink_grad": case.sink_grad.value if case.has_grad_contract else "",
         "mask": case.mask.value, "window": "" if case.window is None else f"{case.window[0]},{case.window[1]}",
         "bias": case.bias, "qkv_format": case.qkv_format.value,
         "docs": seqlens_text(case.docs), "pack_layout": case.pack_layout.value if case.docs else "",
@@ -368,9 +368,9 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     cases = [(settings, case) for settings in groups for case in expand(settings)]
     for number, (settings, case) in enumerate(cases, 1):
         backend = get_kernel(settings.backend, device).name
-        sizes = [cp for cp in opts.simulate
-                 if _first(ran, metadata(case, cp, device, backend, True, opts.phase), number, case, loud=True)]
-        if not sizes:
+        metas = {cp: metadata(case, cp, device, backend, True, opts.phase) for cp in opts.simulate}
+        metas = {cp: meta for cp, meta in metas.items() if _first(ran, meta, number, case, loud=True)}
+        if not metas:
             continue
         spec = case.spec()
         key = (case.shape, spec.softmax_type, spec.qkv_format, spec.docs, settings.seed, case.bias, case.dtype)
@@ -378,8 +378,7 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
             inputs.clear()
             inputs[key] = make_inputs(case.shape, spec, settings.seed, with_bias=case.bias).to(device,
                                                                                               DTYPES[case.dtype])
-        for cp in sizes:
-            meta = metadata(case, cp, device, backend, True, opts.phase)
+        for cp, meta in metas.items():
             if opts.link is not None:
                 meta["link"] = opts.link.describe()
             for rows in _simulate_case(case, settings, cp, device, opts, inputs[key]):

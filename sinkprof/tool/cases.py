@@ -391,7 +391,9 @@ class Case:
             parts["pack_layout"] = f"layout={self.pack_layout.value}"
         parts["dtype"] = self.dtype
         if self.softmax.has_sink:
-            parts.update(sink_strategy=self.sink_strategy.value, sink_grad=f"grad={self.sink_grad.value}")
+            parts["sink_strategy"] = self.sink_strategy.value
+        if self.has_grad_contract:
+            parts["sink_grad"] = f"grad={self.sink_grad.value}"
         if self.window is not None:
             parts["window"] = f"window={self.window[0]},{self.window[1]}"
         if self.bias:
@@ -403,6 +405,12 @@ class Case:
     @property
     def label(self) -> str:
         return "/".join(self.parts().values())
+
+    @property
+    def has_grad_contract(self) -> bool:
+        """Whether ``sink_grad`` means something here: a replicated gradient (the sink's, the
+        bias's) whose all-reduce the contract decides; ``expand`` crosses the contracts only then."""
+        return self.softmax.has_sink or self.bias
 
 
 def expand(settings: Settings) -> list[Case]:

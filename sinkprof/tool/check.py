@@ -56,7 +56,7 @@ class CaseResult:
                 "qkv_format": c.qkv_format.value, "docs": list(c.docs) or None,
                 "pack_layout": c.pack_layout.value if c.docs else None, "dtype": c.dtype, "cp": self.cp,
                 "sink_strategy": c.sink_strategy.value if c.softmax.has_sink else None,
-                "sink_grad": c.sink_grad.value, "window": list(c.window) if c.window else None, "bias": c.bias,
+                "sink_grad": c.sink_grad.value if c.has_grad_contract else None, "window": list(c.window) if c.window else None, "bias": c.bias,
                 "shape": asdict(c.shape), "passed": self.passed,
                 "errors": {k: {"max_abs": e.max_abs, "worst": e.worst, "passed": e.passed} for k, e in self.errors.items()},
                 "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol},
