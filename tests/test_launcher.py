@@ -355,8 +355,11 @@ def test_a_rank_whose_rank_0_never_starts_its_store_says_so_in_one_line_and_one_
     assert res.returncode == 1, res.stderr
     assert res.stderr.strip().splitlines() == [
         f"sinkprof: rank 1: the 2 ranks did not meet at MASTER_ADDR=127.0.0.1 MASTER_PORT={port} within --timeout "
-        f"2s (nothing listened there: rank 0 never started its store); start every rank, with the same WORLD_SIZE, "
-        f"MASTER_ADDR and MASTER_PORT"]
+        f"2s (no store answered there, last connection refused: rank 0 never started it, or this host cannot reach "
+        f"MASTER_ADDR); start every rank, with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT"]
+    res = subprocess.run([*cmd, "--timeout", "2"], capture_output=True, text=True, timeout=120,
+                         env={**env, "RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert res.returncode == 1 and "last connection refused: torchrun's agent never started it" in res.stderr
     late = subprocess.Popen([*cmd, "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env, "RANK": "1"})
     try:

@@ -167,10 +167,13 @@ def init_from_env(device: str, requested_backend: str, timeout: float) -> RankIn
                          f"start every rank, with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
 
     # a client of the store waits for it here: c10d's own wait logs C++ stack frames at every retry
-    hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    if STORE_ENV not in os.environ and not hosts_store:
-        if not _store_listens(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout):
-            raise unmet("nothing listened there: rank 0 never started its store")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"   # torchrun's agent holds the store
+    if STORE_ENV not in os.environ and (rank != 0 or agent):
+        why = _store_unreachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
+        if why is not None:
+            owner = "torchrun's agent" if agent else "rank 0"
+            raise unmet(f"no store answered there, last {why}: {owner} never started it, or this host cannot "
+                        f"reach MASTER_ADDR")
     try:
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout), **kwargs)
@@ -179,18 +182,21 @@ def init_from_env(device: str, requested_backend: str, timeout: float) -> RankIn
     return RankInfo(rank, world, local_rank, dev, backend)
 
 
-def _store_listens(addr: str, port: int, timeout: float) -> bool:
-    """Whether something accepts a connection at ``addr:port`` within ``timeout`` seconds (rank 0's
-    store, or torchrun's agent's), trying again while it refuses: the rank that hosts it may start later."""
+def _store_unreachable(addr: str, port: int, timeout: float) -> Optional[str]:
+    """None once something accepts a connection at ``addr:port`` (rank 0's store, or torchrun's
+    agent's), trying again while it refuses (the rank that holds it may start later); after
+    ``timeout`` seconds without one, the last error in words."""
     deadline = time.monotonic() + timeout
+    why = "no answer"
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            return False
+            return why
         try:
             socket.create_connection((addr, port), timeout=min(left, 1.0)).close()
-            return True
-        except OSError:   # refused (not listening yet), timed out, unreachable for now
+            return None
+        except OSError as exc:   # refused (not listening yet), timed out, unreachable for now
+            why = (exc.strerror or str(exc) or type(exc).__name__).lower()
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
