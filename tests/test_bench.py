@@ -251,6 +251,10 @@ def test_bench_refuses_a_trace_it_would_not_write_or_that_is_its_csv(tmp_path):
         BenchOptions(trace=str(tmp_path / "traces"), simulate=(2,))
     with pytest.raises(ValueError, match="name the same path"):
         BenchOptions(csv=str(tmp_path / "same"), trace=str(tmp_path / "same"))
+    # the CSV where the trace folder's parent must be: the rename failed after the whole run
+    with pytest.raises(ValueError, match=r"--trace .*out/traces needs a folder where --csv .*out writes a file"):
+        BenchOptions(csv=str(tmp_path / "out"), trace=str(tmp_path / "out" / "traces"))
+    BenchOptions(csv=str(tmp_path / "traces" / "b.csv"), trace=str(tmp_path / "traces"))   # a CSV in it is fine
     assert not (tmp_path / "traces").exists() and not (tmp_path / "same").exists()
 
 

@@ -335,6 +335,9 @@ def test_a_dotdot_after_a_missing_folder_or_a_file_is_refused(tmp_path):
                                              r"\.\. after it; name the file without it"):
             check_writable(f"{tmp_path}/{first}/../out.csv", "--csv")
     check_writable(f"{tmp_path}/there/../out.csv", "--csv")   # a folder that exists: as the system resolves it
+    with pytest.raises(ValueError, match=r"--trace .*missing/\.\./traces: .*missing is no folder"):
+        check_folder(f"{tmp_path}/missing/../traces", "--trace")
+    check_folder(f"{tmp_path}/there/../traces", "--plot")
     res = CliRunner().invoke(app, ["check", "--ranks", "1", "--seq-len", "16", "--heads", "2", "--kv-heads", "1",
                                    "--head-dim", "8", "--format", "json", "-o", f"{tmp_path}/missing/../out.json"])
     assert res.exit_code == 2 and "is no folder, so there is no .. after it" in " ".join(res.output.split())

@@ -773,7 +773,8 @@ def test_the_page_or_trace_where_the_plot_folder_goes_is_refused_before_any_pict
     (plots / "summary.png").mkdir(parents=True)
     res = _report(csvs[0], "--plot", plots)
     assert res.exit_code == 2, res.output
-    assert f"--plot {plots}: the picture {plots / 'summary.png'}: is a folder" in " ".join(res.stderr.split())
+    assert (f"--plot {plots}: {plots / 'summary.png'} is a folder where a picture goes; move it, or write the "
+            f"pictures into another folder") in " ".join(res.stderr.split())
     assert [p.name for p in plots.iterdir()] == ["summary.png"]   # no picture written
     (plots / "summary.png").rmdir()
     kept = plots / f"{SLUG}-fwd.png"

@@ -36,7 +36,7 @@ from .cases import Case, Settings, check_seq_len, expand, seqlens_text
 from .errors import EXIT_OK
 from .launcher import RankInfo
 from .linkmodel import Link, predict
-from .output import STDOUT, CsvStream, OutputError, atomic_path, check_writable, same_target
+from .output import STDOUT, CsvStream, OutputError, atomic_path, check_writable, same_target, target
 
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
 COLUMNS = ["run_id", "timestamp", "rank", "iteration", "phase", "step", "kind", "start_ms", "end_ms", "dur_ms",
@@ -68,9 +68,13 @@ class BenchOptions:
         if self.trace is not None and self.simulate:
             raise ValueError("--trace profiles the ranks of a real run; a --simulate run replays them on one "
                              "process and writes no trace: drop --trace (or --simulate)")
-        if self.trace is not None and self.csv is not None and same_target(self.csv, self.trace):
-            raise ValueError(f"--csv {self.csv} and --trace {self.trace} name the same path: the CSV is a file, "
-                             f"the traces go into a folder; give them different paths")
+        if self.trace is not None and self.csv not in (None, STDOUT):
+            if same_target(self.csv, self.trace):
+                raise ValueError(f"--csv {self.csv} and --trace {self.trace} name the same path: the CSV is a file, "
+                                 f"the traces go into a folder; give them different paths")
+            if target(self.csv) in target(self.trace).parents:
+                raise ValueError(f"--trace {self.trace} needs a folder where --csv {self.csv} writes a file; give "
+                                 f"them different paths")
         if self.csv is not None:   # FILE.partial, which the run writes first, must fit its folder too
             check_writable(self.csv, "--csv", partial=True)
         if self.fault not in (None, *RANK_FAILURES):

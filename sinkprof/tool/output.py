@@ -240,6 +240,7 @@ def check_folder(path: Optional[str], option: str) -> None:
         raise ValueError(f"{option} {path}: names a file descriptor; name a folder (the files are written into it)")
     with _os_errors(option, path):
         _loop_check(path, option)
+        _dotdot_check(path, option)
         where = Path(os.path.realpath(path))
         if where.exists() and not where.is_dir():
             raise ValueError(f"{option} {path}: is a file, not a folder; name a folder")

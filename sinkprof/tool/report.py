@@ -907,6 +907,9 @@ def check_pictures(paths, plot_dir: str, pictures: list, html: Optional[str], ch
                         "write the pictures into another folder") for path in pictures]
     _refuse_overlaps(paths, named, _options(html, chrome_trace))
     for path in pictures:   # a protected picture is refused as a protected --html is
+        if Path(path).is_dir():
+            raise ValueError(f"--plot {plot_dir}: {path} is a folder where a picture goes; move it, or write the "
+                             f"pictures into another folder")
         check_writable(path, f"--plot {plot_dir}: the picture")
 
 
