@@ -328,3 +328,20 @@ def test_the_torch_tiles_hold_at_most_three_score_sized_tensors():
     for line in out.stdout.split("\n")[:-1]:
         fwd, bwd = map(float, line.split())
         assert fwd < 2.5 and bwd < 3.5, out.stdout
+
+
+def test_a_bias_wider_than_the_accumulator_is_rounded_to_it_first_as_the_reference_does():
+    """The in-place scores added an fp64 bias in fp64 and rounded once; the reference (and the
+    tiles before) round the bias to the accumulator dtype first."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g).to(torch.bfloat16) for _ in range(3))
+    bias = torch.randn(1, 2, 16, 16, generator=g, dtype=torch.float64) * 5
+    sink = torch.randn(2, generator=g) * 5
+    kern = TorchTiles()
+    o64, lse64 = kern.forward(q, k, v, Band(None, 0), sink, bias, 0.3)
+    o32, lse32 = kern.forward(q, k, v, Band(None, 0), sink, bias.float(), 0.3)
+    assert torch.equal(lse64, lse32) and torch.equal(o64, o32)
+    d64 = kern.backward(q, k, v, o64, q, lse64, Band(None, 0), sink, bias, 0.3)
+    d32 = kern.backward(q, k, v, o32, q, lse32, Band(None, 0), sink, bias.float(), 0.3)
+    assert all(torch.equal(a, b) for a, b in zip((d64.dq, d64.dk, d64.dv, d64.d_bias), (d32.dq, d32.dk, d32.dv,
+                                                                                         d32.d_bias)))

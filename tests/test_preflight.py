@@ -479,7 +479,7 @@ def test_the_memory_check_gives_the_numbers_it_gave_when_it_asked_every_case_for
                   kv_schedule=("ring", "direct", "allgather", "auto")),
          {(21954560, 187367424), (21954560, 187424768), (21954560, 193462272)},
          "this run needs about 4.7 GiB of host memory (0.6 GiB per rank x 8 rank(s), largest case "
-         "p2p/vanilla/causal/bshd/bf16/bias/kv=allgather, s=1024) and 1.0 GiB is available"),
+         "p2p/vanilla/causal/bshd/bf16/grad=full/bias/kv=allgather, s=1024) and 1.0 GiB is available"),
         (Settings(ranks=4, seq_len=384, heads=2, kv_heads=2, head_dim=8, dtype=("bf16",), qkv_format=("thd",),
                   seqlens=(128, 256)), {(245760, 10113024)},
          "this run needs about 1.6 GiB of host memory (0.4 GiB per rank x 4 rank(s), largest case "

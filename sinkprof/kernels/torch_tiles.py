@@ -26,7 +26,7 @@ class TorchTiles(TileByTile):
         qg = q.to(acc).unflatten(1, (g, q.shape[1] // g))
         scores = torch.einsum("bgrqd,bgkd->bgrqk", qg, k.to(acc)).flatten(1, 2).mul_(scale)
         if bias is not None:
-            scores.add_(bias)
+            scores.add_(bias.to(acc))   # rounded to the accumulator first, as the reference does
         visible = band.mask(q.shape[2], k.shape[2], q.device)
         if visible is not None:
             scores.masked_fill_(~visible, float("-inf"))

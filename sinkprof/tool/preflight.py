@@ -344,8 +344,8 @@ def replay_need(shape: Shape, spec: AttnSpec, cp: int, members: int, schedules, 
     the inputs, the reference, the previous row's replay, every rank's shards, outputs and
     gradients, their unsharded copies (a pack's joined before it is reordered), one rank's
     forward buffers (``ring.ForwardState``), step buffers of at most the sequence's K/V and dK/dV
-    (a gathered step's, or a rank's joined runs), and the largest torch tile's scores,
-    probabilities, dP, dP - delta and dS at once (``TorchTiles.backward``)."""
+    (a gathered step's, or a rank's joined runs), and the largest torch tile's three score-sized
+    tensors at once (``TorchTiles.backward``: the probabilities, dS and a copy einsum makes)."""
     b = 1 if spec.qkv_format is QKVFormat.THD else shape.b
     q, kv, lse = b * shape.s * shape.h * shape.d, b * shape.s * shape.g * shape.d, b * shape.h * shape.s
     full, result = 2 * q + 2 * kv, _replay_result(shape, spec)
@@ -362,7 +362,7 @@ def replay_need(shape: Shape, spec: AttnSpec, cp: int, members: int, schedules, 
     # a joined run's one tile reads every step of the run (``plan.join_runs``: direct, one sequence, rows outermost)
     if KVSchedule.DIRECT in kinds and len(spec.docs) <= 1 and (b == 1 or spec.qkv_format is not QKVFormat.BSHD):
         keys = max(keys, min(RUN_ROWS, (ring - 1) * rows))
-    tile = 5 * b * (shape.h // members) * rows * keys
+    tile = 3 * b * (shape.h // members) * rows * keys
     state = (min(PARTS, 2 * (ring - 1)) + 1) * (q + lse) // cp   # its buffers of later results and accumulator
     replay = full + result + held + full + 2 * result + (q if spec.docs else 0) + state + 4 * kv // members + tile
     return max(reference, 8 * replay)
