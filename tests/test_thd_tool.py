@@ -193,6 +193,7 @@ def test_emulate_thd_on_a2a_p2p_and_beside_bshd_with_random_documents():
     assert {r["qkv_format"] for r in doc["results"]} == {"bshd", "sbhd", "thd"}
     assert all(r["passed"] for r in doc["results"])
     assert {r["docs"] for r in doc["results"] if r["qkv_format"] == "thd"} == {",".join(map(str, docs))}
+    assert {(r["docs"], r["pack_layout"]) for r in doc["results"] if r["qkv_format"] != "thd"} == {(None, None)}
 
 
 @pytest.mark.parametrize("args,message", [

@@ -15,7 +15,8 @@ from ..options import (A2AError, AttnSpec, KVSchedule, MaskType, PackLayout, QKV
                        a2a_sizes, check_a2a_size, check_heads, make_spec, window_pair)
 from ..plan import spec_layout
 from ..testing import Shape, make_inputs, reference
-from .cases import Settings, check_head_counts, check_pack_layer, check_window, merge_layers, seqlens_text
+from .cases import (Settings, check_head_counts, check_pack_layer, check_window, docs_label, merge_layers,
+                    seqlens_text)
 from .errors import EXIT_FAILED, EXIT_OK
 from .output import Output
 from .preflight import check_replay_memory, sink_counted_again
@@ -217,7 +218,7 @@ def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: in
     rows = emulate(cps, masks, strategies, shape, seed, pair, members, schedules, formats, docs, pack_layout)
     ok = all(r.ok for r in rows)
     sizes = [f"b={shape.b} s={shape.s}"] if set(formats) != {QKVFormat.THD} else []
-    sizes += [f"thd t={shape.s} docs={seqlens_text(docs)}"
+    sizes += [f"thd t={shape.s} docs={docs_label(docs)}"
               + (f" layout={pack_layout.value}" if pack_layout is not PackLayout.ZIGZAG else "")] if docs else []
 
     def table(console):
@@ -237,6 +238,9 @@ def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: in
         console.print(t)
 
     output.emit(doc={"passed": ok, "tolerance": EMULATE_TOLERANCE, "shape": asdict(shape), "window": window,
-                     "docs": list(docs) or None, "seed": seed, "results": [asdict(r) for r in rows]},
+                     "docs": list(docs) or None, "seed": seed,
+                     # null where a row has no pack, as check's JSON has it (the CSV's cell is empty)
+                     "results": [{k: (None if k in ("docs", "pack_layout") and v == "" else v)
+                                  for k, v in asdict(r).items()} for r in rows]},
                 rows=[asdict(r) for r in rows], table=table)
     return EXIT_OK if ok else EXIT_FAILED
