@@ -47,7 +47,8 @@ def main() -> None:
 
 def split_list(value: str, option: str, parse: Callable = str, allowed: Optional[list] = None) -> list:
     """``"a,b"`` -> parsed items; ``all`` expands to ``allowed``; errors name the option."""
-    items = [v.strip() for v in str(value).split(",") if v.strip()]
+    from .tool.cases import check_once, split_values
+    items = list(split_values(value))
     if not items:
         raise ValueError(f"{option} needs at least one value")
     if allowed is not None and items == ["all"]:
@@ -56,9 +57,7 @@ def split_list(value: str, option: str, parse: Callable = str, allowed: Optional
         if allowed is not None and item not in allowed:
             raise ValueError(f"{option}: {item!r} is not one of {', '.join(allowed)} (or 'all')")
     values = [parse(item, option) for item in items]
-    twice = next((item for i, item in enumerate(items) if values[i] in values[:i]), None)
-    if twice is not None:   # a case given twice would be run twice, and its rows summed as one case's
-        raise ValueError(f"{option} {value}: {twice} is given twice; give each value once")
+    check_once(values, option)
     return values
 
 

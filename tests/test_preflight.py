@@ -192,6 +192,9 @@ def test_a_profile_takes_a_list_as_a_string_as_the_command_line_does(no_launch, 
     path.write_text('dtype = "all"\nsoftmax = " vanilla, learnable"\n')
     (group,) = settings_for(CaseOptions(profile=str(path)))
     assert group.dtype == ("fp64", "fp32", "bf16", "fp16") and group.softmax == ("vanilla", "learnable")
+    path.write_text('dtype = ["all"]\nsoftmax = [" learnable "]\n')   # a TOML list is read the same way
+    (group,) = settings_for(CaseOptions(profile=str(path)))
+    assert group.dtype == ("fp64", "fp32", "bf16", "fp16") and group.softmax == ("learnable",)
 
 
 def test_a_broken_profile_does_not_break_the_list(monkeypatch, tmp_path):

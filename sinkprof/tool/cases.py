@@ -108,10 +108,7 @@ class Settings:
             values = getattr(self, name)
             if not values:
                 raise ValueError(f"{option(name)} needs at least one value, e.g. {ALL[name][0]} (or 'all')")
-            twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
-            if twice is not None:   # its cases would run twice, and bench would sum their rows as one case's
-                raise ValueError(f"{option(name)} {','.join(map(str, values))}: {twice} is given twice; give each "
-                                 f"value once")
+            check_once(values, option(name))
         for name, enum in (("comm", CommType), ("softmax", SoftmaxType), ("mask", MaskType),
                            ("qkv_format", QKVFormat), ("sink_grad", SinkGrad), ("kv_schedule", KVSchedule)):
             for value in getattr(self, name):
@@ -314,11 +311,24 @@ def merge_layers(layers: list) -> dict:
 LIST_FIELDS = ("comm", "softmax", "mask", "qkv_format", "dtype", "sink_strategy", "sink_grad", "kv_schedule")
 
 
-def list_value(name: str, text: str) -> tuple:
-    """A list setting as the command line and a profile's string give it: comma-separated values,
-    or ``all`` for every one (``ALL``)."""
-    value = tuple(v.strip() for v in text.split(",") if v.strip())
-    return ALL[name] if value == ("all",) else value
+def split_values(text: str) -> tuple:
+    """The values of a comma list (``"fp64, bf16"``), blanks dropped."""
+    return tuple(v.strip() for v in str(text).split(",") if v.strip())
+
+
+def check_once(values, option: str) -> None:
+    """No value twice in a list option: its cases would run twice, and bench would sum their rows
+    as one case's."""
+    twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if twice is not None:
+        raise ValueError(f"{option} {','.join(map(str, values))}: {twice} is given twice; give each value once")
+
+
+def list_value(name: str, value) -> tuple:
+    """A list setting as the command line (a comma string) or a profile (that, or a TOML list)
+    gives it; ``all`` is every value (``ALL``)."""
+    items = split_values(value) if isinstance(value, str) else tuple(str(v).strip() for v in value)
+    return ALL[name] if items == ("all",) else items
 
 
 def option(name: str) -> str:

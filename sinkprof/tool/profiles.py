@@ -85,7 +85,7 @@ def _normalize(data: dict, where: str) -> dict:
         if expected is not None:
             raise ValueError(f"{where}: {key} = {value!r} must be {expected}")
         if key in LIST_FIELDS:   # a list, or a string as --dtype takes one ("fp64,bf16", "all")
-            value = tuple(value) if isinstance(value, list) else list_value(key, value)
+            value = list_value(key, value)
         elif key in ("window", "seqlens") and value is not None:
             value = tuple(value)
         out[key] = value
