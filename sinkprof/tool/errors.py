@@ -14,7 +14,6 @@ import errno
 import os
 import signal
 import sys
-import sysconfig
 from typing import Optional
 
 import typer
@@ -61,26 +60,24 @@ def describe(exc: BaseException) -> Optional[tuple[str, int]]:
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_INSTALLED = {os.path.abspath(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")}
-_STDLIB = {os.path.abspath(sysconfig.get_paths()[key]) for key in ("stdlib", "platstdlib")}
 
 
 def raised_by_sinkprof(exc: BaseException) -> bool:
     """Whether ``exc`` was raised by sinkprof's own code, or by the standard library or a builtin
     it called (``int(text)``, an ``Enum`` of a value), rather than inside an installed package
-    (pandas, matplotlib, torch) or a compiled module: the innermost frame of its traceback decides.
-    An error never raised (no traceback) is sinkprof's."""
+    (pandas, matplotlib, torch) or a compiled module: the module of the innermost frame of its
+    traceback decides (by name: a frozen ``os`` has no file, a distribution may install packages
+    beside the standard library). An error never raised (no traceback) is sinkprof's."""
     tb = exc.__traceback__
     if tb is None:
         return True
     while tb.tb_next is not None:
         tb = tb.tb_next
-    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-
-    def under(roots) -> bool:
-        return any(path.startswith(root + os.sep) for root in roots)
-
-    return under([_PACKAGE]) or (not under(_INSTALLED) and under(_STDLIB))
+    top = str(tb.tb_frame.f_globals.get("__name__", "")).partition(".")[0]
+    if top == "sinkprof" or top in sys.stdlib_module_names:
+        return True
+    # ``python -m sinkprof`` runs the package's __main__.py as __main__
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep)
 
 
 def message(exc: BaseException) -> str:
