@@ -147,17 +147,19 @@ def _load(tmp_path, rows, drop=()):
 def test_sent_mb_is_the_slowest_senders_sum_median_over_iterations(tmp_path):
     df = _load(tmp_path, _byte_rows())
     steps = step_table(df).set_index(["phase", "step"])["sent_mb"]
-    assert steps.to_dict() == {("bwd", 0): pytest.approx(2.0), ("bwd", 1): 0.0}
+    # the a2a exchanges around the ring are a row of their own (step -1, "a2a"): they were left out
+    assert steps.to_dict() == {("bwd", -1): pytest.approx(1.0), ("bwd", 0): pytest.approx(2.0), ("bwd", 1): 0.0}
     its = iteration_table(df)
     assert its["sent_mb"].iloc[0] == pytest.approx(2.5)
     console = Console(file=io.StringIO(), width=200, record=True)
     summarize(df, console)
     text = console.export_text()
     assert "sent MB" in text and "sent 2.500 MB/iter" in text
-    assert {(r[0], r[1]): r[6] for r in _cells(text)} == {("bwd", "0"): "2.000", ("bwd", "1"): "0.000"}
+    assert {(r[0], r[1]): r[6] for r in _cells(text)} == {("bwd", "a2a"): "1.000", ("bwd", "0"): "2.000",
+                                                            ("bwd", "1"): "0.000"}
     html = page(df, Pictures({tuple(r[k] for k in CASE_KEYS): "case" for _, r in its.iterrows()}), ["bench.csv"])
     assert "<th>sent MB</th>" in html and "sent 2.500 MB/iter" in html
-    assert [r[6] for r in _html_steps(html)] == ["2.000", "0.000"]
+    assert [r[1:7:5] for r in _html_steps(html)] == [["a2a", "1.000"], ["0", "2.000"], ["1", "0.000"]]
 
 
 def test_bench_summary_reads_blank_bytes_of_compute_rows(capsys):
@@ -173,10 +175,10 @@ def test_a_csv_without_bytes_or_kv_schedule_reports_without_them(tmp_path):
     summarize(df, console)
     text = console.export_text()
     assert "sent MB" in text and "MB/iter" not in text and "kv=" not in text
-    assert [r[6] for r in _cells(text)] == ["-", "-"]
+    assert [r[6] for r in _cells(text)] == ["-", "-", "-"]
     its = iteration_table(df)
     html = page(df, Pictures({tuple(r[k] for k in CASE_KEYS): "case" for _, r in its.iterrows()}), ["bench.csv"])
-    assert [r[6] for r in _html_steps(html)] == ["-", "-"] and "most of any rank)</p>" not in html
+    assert [r[6] for r in _html_steps(html)] == ["-", "-", "-"] and "most of any rank)</p>" not in html
 
 
 def _no_nan(text: str) -> bool:
@@ -196,9 +198,9 @@ def test_a_csv_without_overlap_or_times_says_unknown_not_zero(tmp_path):
     summarize(df, console)
     text = console.export_text()
     assert "exposed comm unknown" in " ".join(text.split()) and _no_nan(text), text
-    assert [r[4:6] for r in _cells(text)] == [["-", "-"]]
+    assert [r[4:6] for r in _cells(text)] == [["-", "-"], ["-", "-"]]   # the a2a row, step 0
     html = page(df, Pictures({tuple(r[k] for k in CASE_KEYS): "case" for _, r in its.iterrows()}), ["bench.csv"])
-    assert [r[4:6] for r in _html_steps(html)] == [["-", "-"]] and _no_nan(html)
+    assert [r[4:6] for r in _html_steps(html)] == [["-", "-"], ["-", "-"]] and _no_nan(html)
     assert "unknown (no exposed_ms)" in html and ">hidden<" not in html
     assert figures.summary(its)[:4] == b"\x89PNG"
 

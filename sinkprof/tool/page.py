@@ -11,7 +11,7 @@ import pandas as pd
 
 from .figures import Pictures
 from .report import (CASE_KEYS, case_key, case_rows, flops_text, iteration_table, label, mb_text, num_text,
-                     rank_table, select, sent_text, step_table)
+                     rank_table, select, sent_text, step_name, step_table)
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1250px; color: #222; }
@@ -93,7 +93,7 @@ def page(df: pd.DataFrame, pictures: Pictures, sources: list) -> str:
             header += ["source"] if sel["predicted"].any() else []
             body = []
             for _, s in sel.iterrows():
-                cells = [escape(str(s["phase"])), str(int(s["step"])), f"{s['compute_ms']:.3f}",
+                cells = [escape(str(s["phase"])), step_name(s["step"]), f"{s['compute_ms']:.3f}",
                          f"{s['comm_ms']:.3f}", num_text(s["overlap_ms"]), num_text(s["exposed_ms"]),
                          mb_text(s["sent_mb"]), _hidden(s)]
                 cells += (["predicted" if s["predicted"] else "measured"] if sel["predicted"].any() else [])

@@ -439,8 +439,9 @@ def step_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per (case, phase, step): compute, comm, overlap and exposed ms and the MB sent (``sent_mb``,
     NaN without bytes); medians over iterations of the slowest rank; ``predicted`` when any of its
     rows is a prediction. Overlap and exposed are 0 for a step without communication and NaN
-    (unknown) when its exchanges carry no ``overlap_ms``/``exposed_ms`` (an older CSV)."""
-    steps = df[df["step"] >= 0]
+    (unknown) when its exchanges carry no ``overlap_ms``/``exposed_ms`` (an older CSV). The a2a
+    exchanges around the ring (step -1) are a row of their own, first in its phase (``step_name``)."""
+    steps = df[(df["step"] >= 0) | (df["kind"] == "a2a")]
     if steps.empty:
         return pd.DataFrame()
     keys = CASE_KEYS + ["phase", "step"]
@@ -461,6 +462,12 @@ def step_table(df: pd.DataFrame) -> pd.DataFrame:
     order = out["phase"].map({"fwd": 0, "bwd": 1}).fillna(2)
     return out.assign(_order=order).sort_values(CASE_KEYS + ["_order", "step"], kind="stable").drop(
         columns="_order").reset_index(drop=True)
+
+
+def step_name(step) -> str:
+    """A step of the step table as a table shows it: its number, or ``a2a`` for the a2a exchanges
+    around the ring."""
+    return "a2a" if int(step) < 0 else str(int(step))
 
 
 def iteration_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -764,7 +771,7 @@ def summarize(df: pd.DataFrame, console) -> None:
                 ("source",) if predicted else ()):
             table.add_column(col, justify="right")
         for _, s in sel.iterrows():
-            cells = [str(s["phase"]), str(int(s["step"])), f"{s['compute_ms']:.3f}", f"{s['comm_ms']:.3f}",
+            cells = [str(s["phase"]), step_name(s["step"]), f"{s['compute_ms']:.3f}", f"{s['comm_ms']:.3f}",
                      num_text(s["overlap_ms"]), num_text(s["exposed_ms"]), mb_text(s["sent_mb"])]
             if predicted:
                 cells.append("predicted" if s["predicted"] else "measured")
