@@ -219,6 +219,18 @@ def test_under_torchrun_the_errors_name_world_size_not_ranks(no_launch, monkeypa
     _refused(["bench", "--qkv-format", "thd", "--seqlens", "32,28"], "--seqlens 32,28 at WORLD_SIZE=3:", no_launch)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU machine's answer")
+def test_a_gpu_profile_on_the_cpu_names_the_profile(no_launch):
+    """It said ``--device cuda: ... use --device cpu``, an option the user had not given, whose
+    advice ran te-sink's shapes in fp64 on the CPU for minutes."""
+    _refused(["check", "--profile", "te-sink"], "--profile te-sink: the profile runs on a CUDA GPU (device = \"cuda\" "
+                                                "in", no_launch)
+    _refused(["bench", "--profile", "gpt-oss-120b", "--simulate", "8"], "run it on a GPU machine, or use a CPU "
+                                                                         "profile", no_launch)
+    _refused(["check", "--device", "cuda"], "--device cuda: no CUDA device is visible here; use --device cpu",
+             no_launch)
+
+
 def test_a_profile_that_is_a_fifo_is_named_not_waited_for(no_launch, monkeypatch, tmp_path):
     """A FIFO named *.toml in $SINKPROF_PROFILES hung ``sinkprof profiles`` (its read waits for a
     writer), and ``--profile ./f.toml`` said ``no such file`` of it."""

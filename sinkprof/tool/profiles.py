@@ -206,7 +206,11 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
     if first.device == "cuda":
         import torch
         if not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is visible here; use --device cpu")
+            if options.device is not None or profile.path is None:
+                raise ValueError("--device cuda: no CUDA device is visible here; use --device cpu")
+            raise ValueError(f"--profile {options.profile}: the profile runs on a CUDA GPU (device = \"cuda\" in "
+                             f"{profile.path}) and no CUDA device is visible here; run it on a GPU machine, or "
+                             f"use a CPU profile (sinkprof profiles lists them)")
     check_dist_backend(options.dist_backend, first.device, first.ranks)
     return groups
 
