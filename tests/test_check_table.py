@@ -54,10 +54,10 @@ def test_table_reads_at_80_columns_with_every_case_option():
     lines = text.splitlines()
     assert "…" not in text
     assert max(map(len, lines)) <= 80
-    common, varying = split_parts([r.case for r in results])
-    assert common == ["causal", "bshd"]
+    common, applying, varying = split_parts([r.case for r in results])
+    assert common == ["causal", "bshd"] and applying == ["post-merge", "grad=full"]   # the sink cases
     every = next(line for line in lines if line.startswith("every case:"))
-    assert every == "every case: causal, bshd"
+    assert every == "every case: causal, bshd" and "where they apply: post-merge, grad=full" in lines
     # Each case's varying options are on its row (or the lines it wraps onto), whole.
     rows = [i for i, line in enumerate(lines) if line.split("│")[0].strip().isdigit()]
     assert len(rows) == len(results)
@@ -66,7 +66,7 @@ def test_table_reads_at_80_columns_with_every_case_option():
         cell = " ".join(line.split("│")[1].strip() for line in lines[start:end] if "│" in line)
         for part in parts:
             assert part in cell, (part, cell)
-        assert set(case_parts(results[n].case).values()) == set(common) | set(parts)
+        assert set(case_parts(results[n].case).values()) - set(applying) == set(common) | set(parts)
     assert "a2a+p2p(2)" in text and "window=16,0" in text and "kv=direct" in text
     # The worst error per case as a ratio to the tolerance, naming the tensor; failures say what.
     assert "1.7 d_sink" in lines[rows[3]] and "FAIL" in lines[rows[3]]
@@ -75,6 +75,17 @@ def test_table_reads_at_80_columns_with_every_case_option():
     assert "fp32 1e-05/1e-05" in " ".join(lines)
     assert "note: rank 1: a note with [/] in it" in text    # notes print as written, not as markup
     assert lines[-1] == f"{len(results) - 2} passed, 2 failed"
+
+
+def test_the_embedded_default_reads_at_80_columns_with_the_sink_options_where_they_apply(cli):
+    """``step0`` and ``grad=full``, which vanilla cases lack, were on every sink case's row: the
+    default check's table was 88 columns wide."""
+    res = cli("check", "--seq-len", "32")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert max(map(len, lines)) <= 80, res.stdout
+    assert "where they apply: step0, grad=full" in lines
+    assert "off-by-one causal fp64" in res.stdout and "fp64 step0" not in res.stdout
 
 
 def test_a_single_case_prints_its_options_once():

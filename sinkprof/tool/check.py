@@ -396,13 +396,18 @@ def case_parts(case: Case) -> dict:
 
 
 def split_parts(cases: list) -> tuple:
-    """(the parts every case shares, in order; per case the parts that vary): a part is shared
-    when every case has it with the same text."""
+    """(the parts every case shares, in order; the sink options every case with one shares, which
+    the others lack: ``step0`` and ``grad=full`` beside vanilla cases; per case the parts that
+    vary). A window's or a bias's absence is a value of its own, so only the sink options are
+    shared where they apply."""
     parts = [case_parts(c) for c in cases]
     keys = list(dict.fromkeys(k for p in parts for k in p))
-    shared = [k for k in keys if all(k in p and p[k] == parts[0][k] for p in parts)]
-    common = [parts[0][k] for k in shared] if parts else []
-    return common, [[text for k, text in p.items() if k not in shared] for p in parts]
+    texts = {k: {p[k] for p in parts if k in p} for k in keys}
+    everywhere = [k for k in keys if len(texts[k]) == 1 and all(k in p for p in parts)]
+    applying = [k for k in ("sink_strategy", "sink_grad") if k in texts and k not in everywhere and len(texts[k]) == 1]
+    shared = everywhere + applying
+    return ([next(iter(texts[k])) for k in everywhere], [next(iter(texts[k])) for k in applying],
+            [[text for k, text in p.items() if k not in shared] for p in parts])
 
 
 def worst_error(result: CaseResult) -> tuple:
@@ -421,10 +426,12 @@ def render_table(results: list, title: str, console) -> None:
     never cut; ``--format json`` has every tensor's error."""
     from rich.table import Table
     from rich.text import Text
-    common, varying = split_parts([r.case for r in results])
+    common, applying, varying = split_parts([r.case for r in results])
     console.print(Text(title, style="bold"))
     if common:
         console.print(Text("every case: " + ", ".join(common)))
+    if applying:
+        console.print(Text("where they apply: " + ", ".join(applying)))
     t = Table(show_edge=False, pad_edge=False)
     t.add_column("#", justify="right", overflow="fold")
     if any(varying):
@@ -451,7 +458,7 @@ def render_table(results: list, title: str, console) -> None:
                        + "; a case passes at <= 1 (every tensor's error: --format json). atol/rtol: "
                        + "; ".join(f"{dtype} {', '.join(dict.fromkeys(tols))}" for dtype, tols in tolerances.items())
                        + ". checks: the messages and bytes against the plan's, and a reference nothing wrote into.",
-                       style="dim"))
+                       style="dim"), width=min(console.width, 80))   # wrapped as the table reads, at 80 columns
     for n in (n for r in results for n in r.notes):
         console.print(Text(f"note: {n}"))
     failed = sum(not r.passed for r in results)
