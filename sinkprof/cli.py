@@ -225,9 +225,6 @@ def bench(
     stdout_open()    # the summary goes there
     csv_path = settle(csv_path, "--csv")
     sims = tuple(split_list(simulate, "--simulate", positive_int)) if simulate is not None else ()
-    if sims and inject is not None:
-        raise ValueError(f"--inject {inject} with --simulate: the fault stops a rank of a real run, and a "
-                         f"simulation is one process; drop --inject (or --simulate)")
     if sims and case.ranks is not None:
         raise ValueError(f"--ranks {case.ranks} with --simulate: a simulation replays every rank of each "
                          f"--simulate size on this process; drop --ranks (or --simulate)")

@@ -237,8 +237,9 @@ def test_a_profile_that_is_a_fifo_is_named_not_waited_for(no_launch, monkeypatch
     os.mkfifo(tmp_path / "f.toml")
     monkeypatch.setenv("SINKPROF_PROFILES", str(tmp_path))
     res = runner.invoke(app, ["profiles"])
-    assert res.exit_code == 0 and "not a regular file (a FIFO)" in " ".join(res.output.split()), res.output
-    _refused(["check", "--profile", "f"], f"profile {tmp_path / 'f.toml'}: not a regular file (a FIFO)", no_launch)
+    assert res.exit_code == 0 and "a FIFO, not a regular file" in " ".join(res.output.split()), res.output
+    _refused(["check", "--profile", "f"], f"profile {tmp_path / 'f.toml'}: a FIFO, not a regular file; name a "
+                                          f"profile file", no_launch)
     _refused(["check", "--profile", str(tmp_path / "f.toml")], "a FIFO, not a regular file", no_launch)
     _refused(["bench", "--profile", "/dev/null"], "--profile '/dev/null': a device, not a regular file", no_launch)
 
@@ -441,7 +442,7 @@ def test_every_readme_check_and_bench_line_is_valid_as_written(no_launch, monkey
             continue
         seen += 1
         res = runner.invoke(app, args)
-        if "--device cuda: no CUDA device" in res.output:     # the README says these need a GPU
+        if "no CUDA device is visible here" in res.output:     # the README says these need a GPU
             assert not torch.cuda.is_available()
             continue
         assert res.exit_code == 0, (args, res.output)

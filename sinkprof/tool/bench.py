@@ -80,7 +80,10 @@ class BenchOptions:
         if self.fault not in (None, *RANK_FAILURES):
             raise ValueError(f"--inject {self.fault.value!r}: bench injects only stall or crash; "
                              f"the others belong to check")
-        if self.fault is not None and not self.simulate and self.iters < 2:
+        if self.fault is not None and self.simulate:
+            raise ValueError(f"--inject {self.fault.value} with --simulate: the fault stops a rank of a real run, and "
+                             f"a simulation is one process; drop --inject (or --simulate)")
+        if self.fault is not None and self.iters < 2:
             raise ValueError(f"--inject {self.fault.value} --iters {self.iters}: the fault stops rank 1 in the second "
                              f"measured iteration, which this run has not; use --iters 2 or more")
 

@@ -25,7 +25,7 @@ from ..plan import PARTS, RUN_ROWS, ring_plan, spec_layout
 from ..schedule import planless_kv_schedule
 from ..testing import Shape
 from .cases import Case, CaseOptions, a2a_members, expand
-from .launcher import local_ranks
+from .launcher import local_ranks, torchrun_env
 
 GIB = 2 ** 30
 RANK_OVERHEAD = 400 * 2 ** 20     # a rank's own process: the interpreter, torch, gloo (measured: ~350 MiB)
@@ -316,10 +316,12 @@ def check_memory(groups: list, ranks: int, device: str, reference: bool, procs: 
         host_need, dev_need = max(host_need, least[0]), max(dev_need, least[1])
         host_most, dev_most = max(host_most, most[0]), max(dev_most, most[1])
     host_need += RANK_OVERHEAD
-    fix = ("lower --seq-len, --batch, --heads or --head-dim, drop --bias, or use fewer --ranks on one machine"
+    fewer = ("use fewer --ranks on one machine" if torchrun_env() is None else
+             "start fewer ranks on one machine (torchrun's --nproc-per-node)")
+    fix = (f"lower --seq-len, --batch, --heads or --head-dim, drop --bias, or {fewer}"
            if worst is None or not worst.docs else
-           "shorten the pack or its longest document (--seqlens, or --seq-len with more --docs), lower --heads or "
-           "--head-dim, or use fewer --ranks on one machine")
+           f"shorten the pack or its longest document (--seqlens, or --seq-len with more --docs), lower --heads or "
+           f"--head-dim, or {fewer}")
     if host_need * local > host_free:
         about = _about(host_need * local, (host_most + RANK_OVERHEAD) * local)
         raise ValueError(f"this run needs {about} {_gib(host_need * local)} of host memory ({_gib(host_need)} per "

@@ -95,7 +95,7 @@ def _normalize(data: dict, where: str) -> dict:
 def load(path: Path, name: Optional[str] = None) -> Profile:
     try:
         if path.exists() and not path.is_file():   # a FIFO's read would wait for a writer, a device's never end
-            raise ValueError(f"profile {path}: not a regular file ({_kind(path)}); name a profile file")
+            raise ValueError(f"profile {path}: {_kind(path)}, not a regular file; name a profile file")
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"profile {path}: invalid TOML: {exc}") from None
@@ -151,8 +151,8 @@ def locate(name: str, option: str = "--profile") -> Path:
         path = Path(name)
         try:
             if not path.is_file():
-                raise ValueError(f"{option} {name!r}: "
-                                 f"{'no such file' if not path.exists() else _kind(path) + ', not a regular file'}")
+                raise ValueError(f"{option} {name!r}: no such file" if not path.exists() else
+                                 f"{option} {name!r}: {_kind(path)}, not a regular file; name a profile file")
         except OSError as exc:   # a folder that cannot be entered
             raise ValueError(f"{option} {name!r}: {exc.strerror or exc}; name a profile file you can read "
                              f"(or a named profile, see sinkprof profiles)") from None
