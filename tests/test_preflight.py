@@ -72,6 +72,8 @@ def _refused(args, message, started):
     (["bench", "--simulate", "2,3"], "--simulate 3: --seq-len 64 must be divisible by 2 * cp = 6 (load-balanced "
                                      "chunks); use --seq-len 60, or drop 3 from --simulate"),
     (["bench", "--simulate", "4,3"], "use --seq-len 48"),   # one every size takes
+    (["bench", "--simulate", "2,3", "--qkv-format", "bshd,thd", "--seqlens", "32,32"],
+     "--simulate 3: --seq-len 64 must be divisible by 2 * cp = 6 (load-balanced chunks); use --seq-len 60, or drop 3"),
     # a value given twice ran its cases twice, and bench summed their rows as one case's
     (["bench", "--dtype", "fp32,bf16,fp32"], "--dtype fp32,bf16,fp32: fp32 is given twice; give each value once"),
     (["check", "--softmax", " learnable,vanilla , learnable"], "--softmax learnable,vanilla,learnable: learnable is "

@@ -348,7 +348,7 @@ def check_simulated_sizes(groups: list, cps: tuple) -> None:
     """Every ``--simulate`` size can lay out every case (before anything, the memory check included,
     asks the layout of it); the error names the size and the option to change."""
     for settings in groups:
-        if settings.seqlens is None:   # a pack's documents name their own
+        if set(settings.qkv_format) != {"thd"}:   # the bshd and sbhd cases (a pack's documents name their own)
             check_seq_len(settings.seq_len, cps, "--simulate")
     for cp in cps:
         for settings in groups:
