@@ -36,7 +36,7 @@ from .cases import Case, Settings, check_seq_len, expand, seqlens_text
 from .errors import EXIT_OK
 from .launcher import RankInfo
 from .linkmodel import Link, predict
-from .output import STDOUT, CsvStream, OutputError, atomic_path, check_writable, same_target, target
+from .output import STDOUT, CsvStream, OutputError, atomic_path, check_writable, same_target, under_file
 
 # The CSV schema (README documents it); metadata columns repeat on every row so each row stands alone.
 COLUMNS = ["run_id", "timestamp", "rank", "iteration", "phase", "step", "kind", "start_ms", "end_ms", "dur_ms",
@@ -72,7 +72,7 @@ class BenchOptions:
             if same_target(self.csv, self.trace):
                 raise ValueError(f"--csv {self.csv} and --trace {self.trace} name the same path: the CSV is a file, "
                                  f"the traces go into a folder; give them different paths")
-            if target(self.csv) in target(self.trace).parents:
+            if under_file(self.trace, self.csv):
                 raise ValueError(f"--trace {self.trace} needs a folder where --csv {self.csv} writes a file; give "
                                  f"them different paths")
         if self.csv is not None:   # FILE.partial, which the run writes first, must fit its folder too
@@ -273,12 +273,12 @@ def bench_job(info: RankInfo, groups: list, opts: BenchOptions) -> int:
 
 
 def _first(ran: dict, meta: dict, number: int, case: Case, loud: bool) -> bool:
-    """Whether case ``number`` writes rows no earlier case of the run wrote (``ran``: what tells
-    cases apart in the CSV, report's ``CASE_KEYS``, to the first case of it). A case that would
+    """Whether case ``number`` writes rows no earlier case of the run wrote (``ran``: a case's
+    metadata columns, every one the same on its rows, to the first case of them). A case that would
     write an earlier one's (``--kv-schedule auto,direct`` where auto runs direct; two profile
-    groups that share a case) is skipped with a note: its rows would be summed into that case's."""
-    from .report import CASE_KEYS
-    identity = tuple(str(meta[key]) for key in CASE_KEYS if key != "run_id")
+    groups that share a case) is skipped with a note: its rows would be summed into that case's.
+    (The metadata, not report's ``CASE_KEYS``: the ranks run this, and report imports pandas.)"""
+    identity = tuple(sorted((key, str(value)) for key, value in meta.items()))
     first, label = ran.setdefault(identity, (number, case.label))
     if first != number and loud:
         at = f" at --simulate {meta['cp']}" if meta["simulated"] else ""

@@ -276,6 +276,12 @@ def _dotdot_check(path: str, option: str) -> None:
                              f"after it; name the file without it")
 
 
+def under_file(folder: str, path: str) -> bool:
+    """Whether the folder ``folder`` would be made inside ``path``, where a file is written (``--trace
+    out/traces`` beside ``--csv out``): one of them cannot be."""
+    return target(path) in target(folder).parents
+
+
 def same_target(a: str, b: str) -> bool:
     """Whether writing ``a`` and ``b`` (neither ``-``) would land in the same place."""
     if STDOUT in (a, b):

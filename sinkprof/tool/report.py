@@ -29,7 +29,7 @@ import pandas as pd
 
 from ..options import Backend, MaskType, PackLayout, parse_window, window_pair
 from .cases import ALL, docs_label
-from .output import STDOUT, Output, check_writable, same_target, target, typed, write_bytes, write_text
+from .output import STDOUT, Output, check_writable, same_target, target, typed, under_file, write_bytes, write_text
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "sink_grad", "mask", "window", "bias", "qkv_format", "dtype",
              "b", "s", "h", "g", "d", "cp", "a2a_size", "kv_schedule", "backend", "simulated", "docs", "pack_layout"]
@@ -895,7 +895,7 @@ def check_outputs(paths, html: Optional[str], chrome_trace: Optional[str], plot_
             if target(out.path) == folder:
                 raise ValueError(f"{out.what} is the folder --plot {plot_dir} writes the pictures into; name a "
                                  f"file in it, or another")
-            if target(out.path) in folder.parents:
+            if under_file(plot_dir, out.path):
                 raise ValueError(f"{out.what} would be a file where --plot {plot_dir} needs a folder; name "
                                  f"another file")
     into = _stdout_input(paths)
