@@ -10,7 +10,7 @@
 # session4 rings4 verify5 cudnn5 passes5 rings5 final5 verify6 gather6 gather6b verify6b layout7 layout7b layout7c layout7d
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
-# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22 launch22 launch22b census23 rounds23 rest24
+# session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22 launch22 launch22b census23 rounds23 rest24 verify27
 # (default: tests check window scale bench). Any ring cell as a step of its own, so that a call holds what its time
 # allows: ring:CONFIG:CPS:MASKS:BACKENDS (scripts/bench_kernels.py's --rings, --masks and --ring-backends; the
 # launch hidden, rounds equal), e.g. ring:gpt-oss:8:causal:fa4+null,fa4+comm; its seconds: RING_S (default 270).
@@ -609,6 +609,17 @@ if [[ $what == *" rest24 "* ]]; then   # <= 3 x 130 s: the rest and the launch a
         --masks causal --ring-backends fa4+null --launch $launch --rounds fixed --out "$OUT/ring_rest24_$launch.json"
   done
   kill $smi; smi=
+fi
+if [[ $what == *" verify27 "* ]]; then   # <= 560 s: what has not run on a GPU since the twenty-fifth session
+  # (b0cc895..2135ee6: the torch tiles in place, the GPU backends' bias fallback through them; bench's case identity,
+  # its CSV columns and faults; the launcher's store probe under torchrun): the GPU tests, then bench and report on fa4
+  # with a bias, then check under torchrun over NCCL
+  run gpu_tests27 ${TESTS_S:-330} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+  run bench27 ${BENCH_S:-100} $SP bench --device cuda --backend fa4 --ranks 2 --seq-len 2048 --heads 8 --kv-heads 4 \
+      --head-dim 64 --bias --warmup 2 --iters 5 --csv "$OUT/bench27.csv"
+  run report27 ${REPORT_S:-40} $SP report "$OUT/bench27.csv"
+  run torchrun27 ${TORCHRUN_S:-90} python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m sinkprof check --device cuda \
+      --backend fa4 --softmax learnable --seq-len 2048 --heads 8 --kv-heads 4 --head-dim 64 --timeout 60
 fi
 set -f   # a cell is words, not a pattern
 for cell in $what; do   # ring:CONFIG:CPS:MASKS:BACKENDS
