@@ -173,7 +173,7 @@ def check(
     from .tool.launcher import launch, torchrun_env
     from .tool.profiles import check_not_the_profile, settings_for
 
-    torchrun_env()   # a broken torchrun environment is refused before anything reads it
+    ranks_name = "--ranks" if torchrun_env() is None else "WORLD_SIZE"   # a broken torchrun environment: exit 2
     preflight.check_values(case)
     output = settle(output, "--output")
     if output in (None, "-"):
@@ -184,7 +184,7 @@ def check(
     check_writable(output, "--output")
     check_not_the_profile(case, output, "--output")
     preflight.check_memory(groups, groups[0].ranks, groups[0].device, reference=True)   # first: quick, for any cp
-    preflight.check_fault(fault, groups)
+    preflight.check_fault(fault, groups, ranks_name)
     config = _config("check", groups, case, **{"--inject": inject})
     raise typer.Exit(launch(check_job, (groups, fault, case.timeout, out), nproc=groups[0].ranks,
                             device=groups[0].device, backend=case.dist_backend, timeout=case.timeout,
@@ -220,7 +220,7 @@ def bench(
     from .tool.linkmodel import parse_link
     from .tool.profiles import check_not_the_profile, settings_for
 
-    torchrun_env()   # a broken torchrun environment is refused before anything reads it
+    ranks_name = "--ranks" if torchrun_env() is None else "WORLD_SIZE"   # a broken torchrun environment: exit 2
     preflight.check_values(case)
     stdout_open()    # the summary goes there
     csv_path = settle(csv_path, "--csv")
@@ -239,7 +239,7 @@ def bench(
     check_simulated_sizes(groups, sims)
     preflight.check_memory(groups, min(sims) if sims else groups[0].ranks, groups[0].device, reference=False,
                            procs=1 if sims else None)
-    preflight.check_fault(fault, groups)
+    preflight.check_fault(fault, groups, ranks_name)
     if sims:
         import torch
         raise typer.Exit(run_simulation(groups, opts, torch.device(groups[0].device)))

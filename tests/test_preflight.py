@@ -221,6 +221,19 @@ def test_under_torchrun_the_errors_name_world_size_not_ranks(no_launch, monkeypa
     _refused(["bench", "--qkv-format", "thd", "--seqlens", "32,28"], "--seqlens 32,28 at WORLD_SIZE=3:", no_launch)
 
 
+def test_under_torchrun_a_fault_that_needs_two_ranks_names_world_size(no_launch, monkeypatch):
+    """A torchrun world of one with ``--inject stall`` said it needs ``--ranks >= 2``, an option
+    torchrun refuses."""
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
+        monkeypatch.setenv(name, value)
+    out = _refused(["check", "--inject", "stall"], "it needs a ring of two ranks or more (--comm p2p with WORLD_SIZE "
+                                                   ">= 2, or --comm a2a+p2p with WORLD_SIZE >= 2 * --a2a-size)",
+                   no_launch)
+    assert "--ranks" not in out
+    _refused(["check", "--softmax", "learnable", "--inject", "no-sink-reduce"], "and WORLD_SIZE >= 2", no_launch)
+    _refused(["bench", "--inject", "crash"], "(--comm p2p with WORLD_SIZE >= 2", no_launch)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU machine's answer")
 def test_a_gpu_profile_on_the_cpu_names_the_profile(no_launch):
     """It said ``--device cuda: ... use --device cpu``, an option the user had not given, whose

@@ -150,15 +150,16 @@ def _doc_leak_shows(case: Case, ranks: int) -> bool:
     return False
 
 
-# What a p2p ring of two ranks or more takes (plain a2a's ring is one rank).
-RING_OF_TWO = "--comm p2p with --ranks >= 2, or --comm a2a+p2p with --ranks >= 2 * --a2a-size"
+# What a p2p ring of two ranks or more takes (plain a2a's ring is one rank); ``{ranks}``: where the
+# ranks come from, ``--ranks`` or torchrun's ``WORLD_SIZE``.
+RING_OF_TWO = "--comm p2p with {ranks} >= 2, or --comm a2a+p2p with {ranks} >= 2 * --a2a-size"
 
 WHAT_IT_NEEDS = {
-    Fault.SINK_EVERY_TILE: (f"a sink (--softmax off-by-one or learnable) and a row that two ring tiles see: a ring of "
+    Fault.SINK_EVERY_TILE: ("a sink (--softmax off-by-one or learnable) and a row that two ring tiles see: a ring of "
                             f"two ranks or more ({RING_OF_TWO}), a window wider than the diagonal, or none, and "
-                            f"--kv-schedule ring, direct or auto (allgather gives each row one tile)"),
+                            "--kv-schedule ring, direct or auto (allgather gives each row one tile)"),
     Fault.NO_SINK_REDUCE: ("a replicated gradient (--softmax learnable or --bias) under the full contract "
-                           "(--sink-grad full: partial has no all-reduce) and --ranks >= 2"),
+                           "(--sink-grad full: partial has no all-reduce) and {ranks} >= 2"),
     Fault.ALIASED_REFERENCE: "a learnable offset (--softmax learnable)",
     Fault.VANILLA_FALLBACK: "a sink (--softmax off-by-one or learnable)",
     Fault.SKIP_SINK_SLICE: ("--softmax learnable with --comm a2a or a2a+p2p over a group of two ranks or more "
@@ -173,14 +174,15 @@ WHAT_IT_NEEDS = {
 }
 
 
-def check_fault(fault: Optional[Fault], groups: list) -> None:
-    """``--inject``: the fault must apply to at least one case of the run."""
+def check_fault(fault: Optional[Fault], groups: list, ranks_name: str = "--ranks") -> None:
+    """``--inject``: the fault must apply to at least one case of the run; ``ranks_name``: where the
+    ranks came from (``WORLD_SIZE`` under torchrun, where --ranks is refused)."""
     if fault is None:
         return
     cases = [(case, settings.ranks) for settings in groups for case in expand(settings)]
     if not any(applies(fault, case, ranks) for case, ranks in cases):
         raise ValueError(f"--inject {fault.value}: the fault applies to none of the {len(cases)} case(s) of this "
-                         f"run; it needs {WHAT_IT_NEEDS[fault]}")
+                         f"run; it needs {WHAT_IT_NEEDS[fault].format(ranks=ranks_name)}")
 
 
 def host_available() -> int:
