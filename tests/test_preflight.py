@@ -259,6 +259,17 @@ def test_a_profile_that_is_a_fifo_is_named_not_waited_for(no_launch, monkeypatch
     _refused(["bench", "--profile", "/dev/null"], "--profile '/dev/null': a device, not a regular file", no_launch)
 
 
+def test_a_profile_path_that_is_a_symlink_loop_or_dangling_says_so(no_launch, tmp_path):
+    """Both read ``no such file``, though ``ls`` lists the name."""
+    (tmp_path / "loop.toml").symlink_to("loop.toml")
+    (tmp_path / "dangling.toml").symlink_to("gone.toml")
+    _refused(["check", "--profile", str(tmp_path / "loop.toml")], "loop.toml': too many levels of symbolic links; "
+                                                                   "name a profile file you can read", no_launch)
+    _refused(["bench", "--profile", str(tmp_path / "dangling.toml")], "dangling.toml': a symlink to no file",
+             no_launch)
+    _refused(["check", "--profile", str(tmp_path / "none.toml")], "none.toml': no such file", no_launch)
+
+
 def test_usage_errors_in_a_real_process_take_seconds_and_print_no_traceback(cli):
     for args in (["check", "--backend", "flash"], ["check", "--dtype", ""], ["check", "--ranks", "64", "--seq-len",
                  str(2 ** 24), "--heads", "64"], ["bench", "--csv", "/proc/version/x.csv"]):

@@ -150,12 +150,14 @@ def locate(name: str, option: str = "--profile") -> Path:
     if _is_path(name):
         path = Path(name)
         try:
-            if not path.is_file():
-                raise ValueError(f"{option} {name!r}: no such file" if not path.exists() else
-                                 f"{option} {name!r}: {_kind(path)}, not a regular file; name a profile file")
-        except OSError as exc:   # a folder that cannot be entered
-            raise ValueError(f"{option} {name!r}: {exc.strerror or exc}; name a profile file you can read "
-                             f"(or a named profile, see sinkprof profiles)") from None
+            path.stat()
+        except FileNotFoundError:
+            raise ValueError(f"{option} {name!r}: " + ("a symlink to no file" if path.is_symlink() else "no such file")) from None
+        except OSError as exc:   # a folder that cannot be entered, a symlink loop
+            raise ValueError(f"{option} {name!r}: {(exc.strerror or str(exc)).lower()}; name a profile file you "
+                             f"can read (or a named profile, see sinkprof profiles)") from None
+        if not path.is_file():
+            raise ValueError(f"{option} {name!r}: {_kind(path)}, not a regular file; name a profile file")
         return path
     known = available()
     if name not in known:
