@@ -418,9 +418,14 @@ class Case:
 
     @property
     def has_grad_contract(self) -> bool:
-        """Whether ``sink_grad`` means something here: a replicated gradient (the sink's, the
-        bias's) whose all-reduce the contract decides; ``expand`` crosses the contracts only then."""
-        return self.softmax.has_sink or self.bias
+        """Whether ``sink_grad`` means something here (``grad_contract_applies``)."""
+        return grad_contract_applies(self.softmax, self.bias)
+
+
+def grad_contract_applies(softmax: SoftmaxType, bias: bool) -> bool:
+    """Whether a case's ``sink_grad`` means something: it has a replicated gradient (the sink's, the
+    bias's) whose all-reduce the contract decides; ``expand`` crosses the contracts only then."""
+    return softmax.has_sink or bias
 
 
 def expand(settings: Settings) -> list[Case]:
@@ -442,7 +447,7 @@ def expand(settings: Settings) -> list[Case]:
         bias = settings.bias and not thd
         shape = dataclasses.replace(settings.shape, b=1) if thd else settings.shape
         strategies = settings.sink_strategy if sm.has_sink else settings.sink_strategy[:1]
-        contracts = settings.sink_grad if sm.has_sink or bias else settings.sink_grad[:1]
+        contracts = settings.sink_grad if grad_contract_applies(sm, bias) else settings.sink_grad[:1]
         for strategy, contract in itertools.product(strategies, contracts):
             cases.append(Case(CommType.parse(comm, "comm"), sm, MaskType.parse(mask, "mask"), fmt, dtype,
                               SinkStrategy.parse(strategy, "sink_strategy"), SinkGrad.parse(contract, "sink_grad"),
