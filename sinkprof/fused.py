@@ -109,8 +109,9 @@ if triton is not None:
         lse = tl.where(seen, ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
         if HAS_SINK:                                                # fold: o * sigmoid(lse - a), lse' = logaddexp(lse, a)
             a = tl.load(a_ptr + (rows // S) % H, mask=live, other=0.0)
-            merged = merged * (1.0 / (1.0 + tl.exp(a - lse)))[:, None]
-            lse = tl.maximum(lse, a) + tl.log(1.0 + tl.exp(-tl.abs(lse - a)))
+            off = a == float("-inf")                                 # a head without a sink keeps o' and lse'
+            merged = merged * tl.where(off, 1.0, 1.0 / (1.0 + tl.exp(a - lse)))[:, None]
+            lse = tl.where(off, lse, tl.maximum(lse, a) + tl.log(1.0 + tl.exp(-tl.abs(lse - a))))
         tl.store(la, lse, mask=live)
         dst = dst_ptr + _row_offsets(rows, H, S, dst_sb, dst_sh, dst_ss)[:, None] + cols[None, :]
         tl.store(dst, merged.to(dst_ptr.dtype.element_ty), mask=tile)
@@ -145,7 +146,8 @@ if triton is not None:
                      mask=tile, other=0.0).to(tl.float32)
         lse = tl.load(l_ptr + _row_offsets(rows, H, S, l_sb, l_sh, l_ss), mask=live, other=0.0)
         a = tl.load(a_ptr + (rows // S) % H, mask=live, other=0.0)
-        tl.store(g_ptr + rows, -tl.exp(a - lse) * tl.sum(o * do, axis=1), mask=live)
+        weight = tl.where(lse == float("-inf"), 0.0, tl.exp(a - lse))   # lse' >= a: -inf only where a is
+        tl.store(g_ptr + rows, -weight * tl.sum(o * do, axis=1), mask=live)
 
 
 if triton is not None:

@@ -61,19 +61,20 @@ def attention(q, k, v, softmax_offset=None, *, softmax_type="vanilla", mask="no_
         same_doc = doc[:, None] == doc[None, :]
         visible = same_doc if visible is None else visible & same_doc
     if visible is not None:
-        # Rows with no visible key get harmless finite scores; their probabilities are zeroed below.
-        row_any = visible.any(-1, keepdim=True)
-        scores = scores.masked_fill(~visible & row_any, float("-inf")).masked_fill(~row_any, 0.0)
-    lse = torch.logsumexp(scores, dim=-1)                                   # [b, h, s_q]
-    if visible is not None:
-        lse = lse.masked_fill(~row_any.squeeze(-1), float("-inf"))
+        scores = scores.masked_fill(~visible, float("-inf"))
+    # A row no key reaches (masked whole, or a bias of -inf on every key: a padding row) gets harmless
+    # finite scores and lse -inf; its probabilities are zeroed below. Left at -inf, logsumexp's
+    # backward would put NaN in its gradients (-inf - -inf) and, through dk, in every row's.
+    empty = torch.isneginf(scores).all(-1, keepdim=True)                 # [b, h, s_q, 1]
+    scores = scores.masked_fill(empty, 0.0)
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))   # [b, h, s_q]
     sink = sink_logits(spec.softmax_type, softmax_offset, dims.h, q.device)   # bf16/fp16: used in fp32 or fp64
-    if sink is not None:
-        lse = torch.logaddexp(lse, sink.reshape(1, -1, 1).to(acc))
+    if sink is not None:   # a head whose sink is -inf has none (logaddexp(-inf, -inf)'s backward is NaN)
+        a = sink.reshape(1, -1, 1).to(acc)
+        off = torch.isneginf(a)
+        lse = torch.where(off, lse, torch.logaddexp(lse, a.masked_fill(off, 0.0)))
     lse_finite = lse.masked_fill(lse == float("-inf"), 0.0)
-    probs = torch.exp(scores - lse_finite.unsqueeze(-1))
-    if visible is not None:
-        probs = probs * visible
+    probs = torch.exp(scores - lse_finite.unsqueeze(-1)).masked_fill(empty, 0.0)
     out = torch.einsum("bgrqk,bgkd->bgrqd", probs.unflatten(1, (dims.g, dims.h // dims.g)), vh)
     out = fmt.from_bhsd(out.flatten(1, 2)).to(q.dtype)
     if thd:

@@ -69,9 +69,9 @@ def merge_parts_(o: torch.Tensor, lse: torch.Tensor, parts_o: torch.Tensor, part
     total = weights.sum(0)
     merged = torch.where(total > 0, merged / total, o.to(acc))
     merged_lse = torch.where(total.squeeze(-1) > 0, ref + torch.log(total.squeeze(-1)), NEG_INF)
-    if sink is not None:
+    if sink is not None:   # a head whose sink is -inf has none: its rows keep o' and lse' (an empty row too)
         a = _as_rows(sink, acc)
-        merged.mul_(torch.sigmoid(merged_lse - a).unsqueeze(-1))
+        merged.mul_(torch.where(torch.isneginf(a), 1.0, torch.sigmoid(merged_lse - a)).unsqueeze(-1))
         merged_lse = torch.logaddexp(merged_lse, a)
     lse.copy_(merged_lse)
     dst.copy_(merged)
@@ -80,9 +80,13 @@ def merge_parts_(o: torch.Tensor, lse: torch.Tensor, parts_o: torch.Tensor, part
 def delta(o: torch.Tensor, grad_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FlashAttention's ``D = rowsum(dO * o)`` as ``[b, h, s]``, summed in ``dtype``.
 
-    The product stays in the inputs' dtype (one pass, no fp32 copies of o and dO: this is most of
-    the post-merge backward's extra cost); the sum accumulates in ``dtype``.
+    The product stays in the inputs' dtype where it cannot overflow (one pass, no fp32 copies of o
+    and dO: this is most of the post-merge backward's extra cost; bf16 has fp32's range); fp16's,
+    whose largest value is 65504 (``o`` and a loss-scaled ``dO`` of a few hundred each), is formed in
+    ``dtype``. The sum accumulates in ``dtype``.
     """
+    if grad_out.dtype == torch.float16:
+        return (grad_out.to(dtype) * o.to(dtype)).sum(-1)
     return (grad_out * o.to(grad_out.dtype)).sum(-1, dtype=dtype)
 
 
@@ -97,6 +101,6 @@ def sink_grad(o: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
     fused = fused_for(dtype, o, grad_out)
     if fused is not None:  # one pass for the row terms, one sum
         return fused.sink_grad_rows(o, grad_out, lse, sink).sum(dim=(0, 2)).reshape(1, -1, 1, 1).to(sink.dtype)
-    weight = torch.exp(_as_rows(sink, dtype) - lse)
+    weight = torch.where(torch.isneginf(lse), 0.0, torch.exp(_as_rows(sink, dtype) - lse))   # lse' >= a: -inf only
     grad = -(weight * delta(o, grad_out, dtype)).sum(dim=(0, 2))
     return grad.reshape(1, -1, 1, 1).to(sink.dtype)

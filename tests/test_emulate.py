@@ -46,6 +46,23 @@ def test_windows_bias_and_sbhd_through_the_plan(cp, mask, window, fmt, bias):
         assert _max_err(emulate_ring(inputs, spec, cp, strategy).result, ref) <= 1e-12
 
 
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("strategy", [SinkStrategy.STEP0, SinkStrategy.POST_MERGE])
+def test_a_head_without_a_sink_and_a_padding_row_of_the_bias_match_the_reference(cp, strategy):
+    """A -inf offset (the head's sink switched off) on a row a -inf bias empties: the fold's
+    sigmoid(-inf - -inf) put NaN in the post-merge output and every gradient, and exp(-inf - -inf)
+    in the sink's gradient under step0."""
+    spec = make_spec("learnable", "causal", None, "bshd")
+    inputs = make_inputs(SHAPE, spec, seed=11, with_bias=True)
+    inputs.offset[0, 1] = float("-inf")
+    inputs.bias[:, :, 30, :] = float("-inf")   # a padding row, on rank 0 or 1's second chunk
+    ref = reference(inputs, spec)
+    got = emulate_ring(inputs, spec, cp, strategy).result
+    assert all(torch.isfinite(t).all() for t in got.named().values())
+    assert _max_err(got, ref) <= 1e-12
+    assert ref.d_offset[0, 1].item() == 0.0 and ref.d_offset.abs().max() > 1e-3
+
 def test_partial_sink_gradients_cover_each_ranks_rows_and_sum_to_the_reference():
     cp = 3
     spec = make_spec("learnable", "causal", None, "bshd")

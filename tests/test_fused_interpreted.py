@@ -93,6 +93,24 @@ SCRIPT = textwrap.dedent('''
     got = fused.sink_grad_rows(o, d_o, lse, a).sum(dim=(0, 2))
     want = sink.sink_grad(o.double(), d_o.double(), lse.double(), a.double()).flatten()
     torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=1e-4)
+
+    # a head whose sink is -inf (switched off) and rows that saw no key: finite, as the torch form
+    a = torch.randn(1, h, 1, 1) * 5
+    a[0, 1] = float("-inf")
+    o, lse = bshd(b, h, s, d, dtype=torch.float32), torch.randn(b, h, s) * 3
+    o[:, :, :4], lse[:, :, :4] = 0, float("-inf")
+    want, want_lse = torch.empty(b, h, s, d, dtype=torch.float64), lse.double()
+    sink.merge_parts_(o.double(), want_lse, *(x[:0] for x in (o.double().unsqueeze(0), lse.double().unsqueeze(0))),
+                      into=want, sink=a.double())
+    into, got_lse = torch.empty(b, h, s, d), lse.clone()
+    fused.merge_parts_(o, got_lse, o.unsqueeze(0)[:0], lse.unsqueeze(0)[:0], into=into, sink=a)
+    assert not into.isnan().any() and not got_lse.isnan().any()
+    torch.testing.assert_close(into.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    rows = fused.sink_grad_rows(into, into, got_lse, a)
+    assert torch.isfinite(rows).all()
+    torch.testing.assert_close(rows.sum(dim=(0, 2)).double(),
+                               sink.sink_grad(want, want, want_lse, a.double()).flatten(), atol=1e-3, rtol=1e-4)
     print("ok")
 ''')
 

@@ -140,6 +140,35 @@ def test_a_row_with_no_visible_key_is_zero_or_sink_only():
     assert torch.isfinite(out_v).all()
 
 
+@pytest.mark.parametrize("softmax_type", ["vanilla", "off-by-one", "learnable"])
+def test_a_padding_row_of_the_bias_and_a_head_without_a_sink_give_the_blockwise_references_gradients(softmax_type):
+    """A row whose bias is -inf on every key had logsumexp's NaN backward: NaN in its dq, in every
+    element of dk, in its dbias; with a -inf offset (head 0 without a sink), NaN in d_offset too."""
+    from sinkprof.options import make_spec
+    from sinkprof.testing import Inputs, reference
+    g = torch.Generator().manual_seed(7)
+    b, s, h, d = 1, 8, 2, 4
+    q, k, v, go = (torch.randn(b, s, h, d, generator=g, dtype=torch.float64) for _ in range(4))
+    bias = torch.randn(1, h, s, s, generator=g, dtype=torch.float64)
+    bias[:, :, 3, :] = float("-inf")
+    offset = (torch.randn(1, h, 1, 1, generator=g, dtype=torch.float64) * 5 if softmax_type == "learnable"
+              else None)
+    if offset is not None:
+        offset[0, 0] = float("-inf")
+    for window in (None, (1, 0)):
+        xs = [x.clone().requires_grad_() for x in (q, k, v, bias)] + ([offset.clone().requires_grad_()] if
+                                                                       offset is not None else [])
+        out = sinkprof.attention(*xs[:3], xs[4] if offset is not None else None, softmax_type=softmax_type,
+                                 window=window, bias=xs[3])
+        out.backward(go)
+        ref = reference(Inputs(q, k, v, offset, bias, go), make_spec(softmax_type, "no_mask", window, "bshd"))
+        wants = [ref.out, ref.dq, ref.dk, ref.dv, ref.d_bias] + ([ref.d_offset] if offset is not None else [])
+        for got, want in zip([out] + [x.grad for x in xs], wants):
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+        assert torch.equal(out[:, 3], torch.zeros_like(out[:, 3]))
+
+
 BAD = [
     (dict(q=torch.zeros(2, 4, 8)), "q must be 4-D"),
     (dict(k=torch.zeros(2, 12, 3, 8, dtype=torch.float64), v=torch.zeros(2, 12, 3, 8, dtype=torch.float64)), "multiple of g"),

@@ -107,3 +107,36 @@ def test_merge_into_the_output_with_the_sink_equals_merge_then_fold():
         assert torch.allclose(out, want, atol=tol, rtol=0)
         assert torch.allclose(lse, want_lse, atol=1e-14, rtol=0)
         assert torch.equal(first, o1.to(first_dtype))  # the source is read, not written
+
+
+def test_a_head_whose_sink_is_minus_inf_keeps_its_rows_and_its_empty_rows_stay_zero():
+    """A -inf sink switches a head's sink off. The fold computed sigmoid(-inf - -inf) on that head's
+    empty rows (a padding row a bias masks whole) and multiplied the NaN into the output."""
+    o = torch.tensor([[[[1.0, 2.0], [0.0, 0.0]], [[3.0, 4.0], [0.0, 0.0]]]], dtype=torch.float64)
+    lse = torch.tensor([[[0.5, NEG_INF], [0.5, NEG_INF]]], dtype=torch.float64)
+    a = torch.tensor([NEG_INF, 1.5], dtype=torch.float64).view(1, 2, 1, 1)
+    out = torch.full_like(o, 7.0)
+    merge_parts_(o, lse, *_no_parts(o, lse), into=out, sink=a)
+    assert torch.equal(out[0, 0], o[0, 0])                                   # no sink: unchanged
+    assert torch.equal(out[0, 1, 1], torch.zeros(2, dtype=torch.float64))   # empty row, finite sink: 0
+    assert torch.allclose(out[0, 1, 0], o[0, 1, 0] * torch.sigmoid(torch.tensor(-1.0, dtype=torch.float64)))
+    assert torch.equal(lse[0, 0], torch.tensor([0.5, NEG_INF], dtype=torch.float64))
+    assert lse[0, 1, 1] == 1.5
+    d_o = torch.ones_like(out)
+    grad = sink_grad(out, d_o, lse, a)
+    assert grad[0, 0, 0, 0] == 0.0                                           # was NaN: exp(-inf - -inf)
+    assert torch.allclose(grad[0, 1, 0, 0], -torch.exp(1.5 - lse[0, 1, 0]) * out[0, 1, 0].sum())
+
+
+def test_the_sink_gradient_of_fp16_rows_whose_products_pass_65504_is_finite():
+    """``D = rowsum(dO * o)`` was formed in fp16 before the fp32 sum: o and a loss-scaled dO of a
+    few hundred each overflowed to inf, and the sink's gradient with it."""
+    g = torch.Generator().manual_seed(4)
+    o = torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64) + 300
+    d_o = torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64) + 300
+    lse = torch.randn(1, 2, 6, generator=g, dtype=torch.float64) + 3
+    a = torch.randn(1, 2, 1, 1, generator=g, dtype=torch.float64)
+    want = sink_grad(o, d_o, lse, a)
+    got = sink_grad(o.half(), d_o.half(), lse.float(), a.float())
+    assert torch.isfinite(got).all(), got
+    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=0)
