@@ -139,24 +139,28 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     offset = softmax_offset
     if offset is not None:
         offset = ReplicatedGrad.apply(_at_least_fp32(offset), groups, opts, "sink gradient all-reduce")
+    bias_given = bias
     if bias is not None:
         bias = ReplicatedGrad.apply(bias, groups, opts, "bias gradient all-reduce")
     out = hierarchical_attention(q, k, v, offset, bias, opts, groups)
-    if softmax_offset is not None and out.requires_grad and not softmax_offset.is_inference():
-        out.register_hook(_unchanged(softmax_offset, softmax_offset._version))
+    if out.requires_grad:
+        for name, t in (("softmax_offset", softmax_offset), ("bias", bias_given)):
+            if t is not None and not t.is_inference():
+                out.register_hook(_unchanged(name, t, t._version))
     return out.squeeze(0) if thd else out
 
 
-def _unchanged(offset: torch.Tensor, version: int):
+def _unchanged(name: str, t: torch.Tensor, version: int):
     """A hook on the output's gradient (it runs before any backward of the call, so before the
-    ring unpacks what it saved): the backward needs the offset's values of the forward."""
+    ring unpacks what it saved): the backward needs the values of argument ``name`` (the offset,
+    the bias: the tiles recompute their scores) that the forward used."""
     def check(grad):
-        if offset._version != version:
+        if t._version != version:
             raise RuntimeError(
-                "softmax_offset was modified in place after cp_attention's forward and before its backward "
-                f"(its version went from {version} to {offset._version}): the backward needs the values the "
+                f"{name} was modified in place after cp_attention's forward and before its backward "
+                f"(its version went from {version} to {t._version}): the backward needs the values the "
                 "forward used. Change it after the backward (optimizer.step() after loss.backward()), or pass "
-                "cp_attention a copy (softmax_offset.clone())")
+                f"cp_attention a copy ({name}.clone())")
         return grad
     return check
 

@@ -169,6 +169,21 @@ def test_an_offset_edited_in_place_between_forward_and_backward_is_named(world):
         out.sum().backward()
 
 
+@pytest.mark.parametrize("bias_grad", [True, False])
+def test_a_bias_edited_in_place_between_forward_and_backward_is_named(world, bias_grad):
+    """Before: torch's "Output 0 of ReplicatedGrad is a view ..." (a private class) for a bias that
+    takes a gradient; the tiles recompute their scores from the forward's bias."""
+    q, k, v, _ = _inputs()
+    q.requires_grad_()
+    bias = torch.randn(1, q.shape[2], q.shape[1], q.shape[1], dtype=q.dtype).requires_grad_(bias_grad)
+    out = sinkprof.cp_attention(q, k, v, softmax_type="off-by-one", mask="causal", bias=bias)
+    with torch.no_grad():
+        bias.add_(1.0)
+    with pytest.raises(RuntimeError, match=re.escape("bias was modified in place after cp_attention's forward and "
+                                                     "before its backward (its version went from 0 to 1)")):
+        out.sum().backward()
+
+
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])
 def test_a_double_backward_raises_naming_cp_attention_and_the_first_order_is_unchanged(world, comm):
     """Before: wrong second-order gradients, or a crash inside the ring ("cat(): functions with out=...")."""
