@@ -271,6 +271,23 @@ def test_report_reads_a_csv_of_an_older_version(csvs, tmp_path):
     assert comm and not any("bytes" in e["args"] for e in comm)
 
 
+def test_an_older_csv_beside_a_current_one_gets_its_own_cp_and_a_simulation_without_cp_is_refused(csvs, tmp_path):
+    """An old CSV without ``cp`` given with one that has it: its rows kept NaN (another file had
+    the column), and report ended in a traceback. A --simulate CSV without ``cp`` was filled with
+    its ranks' count, 4 for every size: the cp 2 and cp 4 cases read as one, exit 0."""
+    old = _minimal(csvs[0], tmp_path / "old.csv")
+    df = load([old, csvs[1]])
+    assert df.loc[df["run_id"].isin(pd.read_csv(old)["run_id"]), "cp"].tolist() == [2] * len(pd.read_csv(old))
+    assert set(df["cp"]) == {2, 4}
+    res = _report(old, csvs[1])
+    assert res.exit_code == 0, res.output
+    assert "cp=2" in res.stdout and "cp=4" in res.stdout
+    sim = tmp_path / "sim.csv"
+    pd.read_csv(csvs[1]).drop(columns=["cp"]).to_csv(sim, index=False)
+    res = _report(sim)
+    assert res.exit_code == 2 and "sim.csv: rows of a --simulate run but no cp column" in " ".join(res.output.split())
+
+
 def test_markup_in_cells_prints_as_written_and_git_sha_keeps_its_zeros(csvs, tmp_path):
     df = pd.read_csv(csvs[0], dtype={"git_sha": str})
     df["device_name"] = "[link=https://example.com]x[/link]"

@@ -307,13 +307,9 @@ def load(paths) -> pd.DataFrame:
             seen[run] = p
     absent = {str(p): [c for c in OPTIONAL_COLUMNS if c not in f.columns] for p, f in zip(paths, frames)}
     runs = {str(p): set(f["run_id"].fillna("").astype(str)) for p, f in zip(paths, frames)}
+    for p, f in zip(paths, frames):   # each file's own: another file having a column fills no row of this one
+        _fill_optional(p, f)
     df = pd.concat(frames, ignore_index=True)
-    for col, default in OPTIONAL_COLUMNS.items():
-        if col not in df.columns:
-            if col == "cp":
-                df[col] = df.groupby("run_id")["rank"].transform("max") + 1
-            else:
-                df[col] = default
     for col in TEXT_COLUMNS:
         df[col] = df[col].astype(object).where(df[col].notna(), "").astype(str)
     for col in BOOL_COLUMNS:
@@ -323,6 +319,22 @@ def load(paths) -> pd.DataFrame:
     df.attrs["absent"] = {path: cols for path, cols in absent.items() if cols}
     df.attrs["runs"] = runs
     return df
+
+
+def _fill_optional(path, f: pd.DataFrame) -> None:
+    """The optional columns ``f`` (the rows of CSV ``path``) lacks, in place: their defaults, and
+    ``cp`` the number of ranks of each run. A ``--simulate`` run holds every size under one run id,
+    so its ``cp`` cannot be told from its ranks: such a file without the column is refused."""
+    for col, default in OPTIONAL_COLUMNS.items():
+        if col in f.columns:
+            continue
+        if col == "cp":
+            if "simulated" in f.columns and f["simulated"].map(_truth).any():
+                raise ValueError(f"{path}: rows of a --simulate run but no cp column, which tells its sizes "
+                                 f"apart; give the CSV as sinkprof bench wrote it")
+            f[col] = f.groupby("run_id")["rank"].transform("max") + 1
+        else:
+            f[col] = default
 
 
 TIME_COLUMNS = ("start_ms", "end_ms")
