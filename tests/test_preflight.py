@@ -259,6 +259,27 @@ def test_a_profile_that_is_a_fifo_is_named_not_waited_for(no_launch, monkeypatch
     _refused(["bench", "--profile", "/dev/null"], "--profile '/dev/null': a device, not a regular file", no_launch)
 
 
+def test_profiles_name_prints_its_text_as_written_and_refuses_a_profile_check_would_refuse(monkeypatch, tmp_path):
+    """A ``[`` in a description or a value was read as Rich markup (a traceback, or restyled
+    text); a profile that check refuses (``ranks = -3``) was shown with exit 0, and one refused
+    while it printed left half its output on stdout before exit 2."""
+    (tmp_path / "markup.toml").write_text('description = "uses [/x] and [red]markup[/red]"\n')
+    (tmp_path / "negranks.toml").write_text('description = "d"\nranks = -3\n')
+    (tmp_path / "badval.toml").write_text('description = "d"\ndtype = "[/x]"\n')
+    monkeypatch.setenv("SINKPROF_PROFILES", str(tmp_path))
+    res = runner.invoke(app, ["profiles", "markup"])
+    assert res.exit_code == 0, res.output
+    assert "markup: uses [/x] and [red]markup[/red]" in res.output
+    for name, says in (("negranks", "--ranks -3 must be >= 1 (with the settings of profile"),
+                       ("badval", "--dtype='[/x]' is not supported")):
+        res = runner.invoke(app, ["profiles", name])
+        assert res.exit_code == 2 and says in " ".join(res.output.split()), res.output
+        assert not res.stdout.strip(), res.stdout
+    monkeypatch.setenv("SINKPROF_PROFILES", str(tmp_path / "markup.toml"))
+    res = runner.invoke(app, ["profiles", "markup"])
+    assert res.exit_code == 2 and f"SINKPROF_PROFILES names {tmp_path / 'markup.toml'}, not a folder of profiles" \
+        in " ".join(res.output.split())
+
 def test_a_profile_path_that_is_a_symlink_loop_or_dangling_says_so(no_launch, tmp_path):
     """Both read ``no such file``, though ``ls`` lists the name."""
     (tmp_path / "loop.toml").symlink_to("loop.toml")

@@ -161,8 +161,11 @@ def locate(name: str, option: str = "--profile") -> Path:
         return path
     known = available()
     if name not in known:
+        not_folders = [str(d) for d in profile_dirs() if not d.is_dir()]
+        hint = (f"; SINKPROF_PROFILES names {', '.join(not_folders)}, not a folder of profiles" if not_folders
+                else "")
         raise ValueError(f"{option} {name!r} is unknown; available: {', '.join(known) or 'none'} "
-                         f"(or pass a path to a .toml file)")
+                         f"(or pass a path to a .toml file){hint}")
     return known[name]
 
 
@@ -196,8 +199,7 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
         except ValueError as exc:
             if profile.path is None:
                 raise
-            group = f" [[cases]] #{i + 1}" if profile.groups else ""
-            raise ValueError(f"{exc} (with the settings of profile {profile.path}{group})") from None
+            raise _in_profile(exc, profile, i) from None
     if options.batch not in (None, 1) and all(set(g.qkv_format) == {"thd"} for g in groups):
         raise ValueError(f"--batch {options.batch}: a thd pack is one sequence of documents, its cases run with "
                          f"b = 1; drop --batch, or add bshd or sbhd to --qkv-format (their cases take it)")
@@ -244,8 +246,15 @@ def check_simulated_comm(profile: Profile, overrides: dict, typed: Optional[str]
                              f"--simulate")
 
 
+def _in_profile(exc: ValueError, profile: Profile, i: int) -> ValueError:
+    """A settings group's error, saying which profile file (and which of its groups) it came from."""
+    group = f" [[cases]] #{i + 1}" if profile.groups else ""
+    return ValueError(f"{exc} (with the settings of profile {profile.path}{group})")
+
+
 def show(name: Optional[str], output: Output) -> None:
-    """The command: list the profiles, or show the settings groups of one."""
+    """The command: list the profiles, or show the settings groups of one (checked as check and
+    bench check them, before anything is printed)."""
     def table(console):
         from rich.markup import escape
         from rich.table import Table
@@ -261,9 +270,16 @@ def show(name: Optional[str], output: Output) -> None:
                 t.add_row(escape(n), escape(description), escape(str(path)))
             console.print(t)
             return
-        console.print(f"[bold]{prof.name}[/bold]: {prof.description}  ({prof.path})")
-        for i, settings in enumerate(prof.resolve({})):
-            console.print(f"group {i + 1}: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(settings).items()))
+        console.print(f"[bold]{escape(prof.name)}[/bold]: {escape(prof.description)}  ({escape(str(prof.path))})")
+        for i, settings in enumerate(groups):
+            console.print(f"group {i + 1}: " + escape(", ".join(f"{k}={v}" for k, v in
+                                                              dataclasses.asdict(settings).items())))
 
     prof = None if name is None else find(name, "sinkprof profiles")
+    groups = [] if prof is None else prof.resolve({})
+    for i, settings in enumerate(groups):
+        try:
+            settings.validate()
+        except ValueError as exc:
+            raise (exc if prof.path is None else _in_profile(exc, prof, i)) from None
     output.emit(table=table)
