@@ -254,7 +254,8 @@ def bench(
 def emulate(
     cp: str = typer.Option("2,4,8", help="Comma-separated CP sizes (total ranks) to replay."),
     comm: str = typer.Option("p2p", help="p2p, or a2a+p2p (inner a2a groups of --a2a-size around a ring)."),
-    a2a_size: int = typer.Option(2, "--a2a-size", min=1, help="Ranks per inner a2a group for a2a+p2p."),
+    a2a_size: Optional[int] = typer.Option(None, "--a2a-size", min=1,
+                                           help="Ranks per inner a2a group for a2a+p2p (default 2)."),
     mask: str = typer.Option("all", help="causal, no_mask or all."),
     strategy: str = typer.Option("all", help="Sink strategies: step0, post-merge, every-tile (the bug) or all."),
     window: Optional[str] = typer.Option(None, help="Sliding window LEFT,RIGHT (-1 = unbounded)."),

@@ -11,6 +11,7 @@ import itertools
 import math
 import numbers
 import operator
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -257,8 +258,17 @@ WINDOW_MAX = 2 ** 63 - 1   # a window side is a 64-bit signed integer in the ker
 def window_pair(window, arg: str = "window") -> tuple[int, int]:
     """``(left, right)`` ints from a pair or a ``"LEFT,RIGHT"`` string (what a user types), each
     at most ``WINDOW_MAX``."""
+    def one(w) -> int:   # text as typed (ASCII digits: int() also takes "1_0" and full-width digits), or an int
+        if isinstance(w, str):
+            if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", w):
+                raise ValueError
+            return int(w)
+        if isinstance(w, bool):
+            raise TypeError
+        return operator.index(w)   # 2.5 is no window width
+
     try:
-        left, right = (int(w) for w in (window.split(",") if isinstance(window, str) else window))
+        left, right = (one(w) for w in (window.split(",") if isinstance(window, str) else window))
     except (TypeError, ValueError):
         raise ValueError(f"{arg}={window!r} must be a pair LEFT,RIGHT of ints, -1 meaning unbounded "
                          f"(e.g. 128,0)") from None

@@ -69,3 +69,32 @@ def test_the_replay_estimate_refuses_what_does_not_fit_and_grows_with_the_shape(
     preflight.check_replay_memory(small, [spec], [2, 4], 1, kinds, host_free=need[0])
     with pytest.raises(ValueError, match=r"this run needs up to about .* --qkv-format bshd at --cp 2, s=64"):
         preflight.check_replay_memory(small, [spec], [2, 4], 1, kinds, host_free=need[0] - 1)
+
+
+def test_auto_and_the_schedule_it_runs_give_one_row_and_the_json_writes_numbers_as_check_does():
+    """``--kv-schedule auto,ring,direct`` wrote two identical direct rows; the JSON's window was the
+    option's text (" 4, 0") and a row's docs a string ("32,8,8") where check writes lists."""
+    import csv
+    import io
+    import json
+    base = ["emulate", "--cp", "2", "--mask", "causal", "--heads", "2", "--kv-heads", "1", "--strategy", "step0"]
+    res = runner.invoke(app, base + ["--kv-schedule", "auto,ring,direct", "--window", " 4, 0", "--format", "csv"])
+    assert res.exit_code == 0, res.output
+    rows = list(csv.DictReader(io.StringIO(res.stdout)))
+    assert sorted(r["kv_schedule"] for r in rows) == ["direct", "ring"]
+    assert {r["window"] for r in rows} == {"4,0"}
+    assert "--kv-schedule direct runs as auto does at cp 2 (bshd, causal, step0): one row for both" in res.stderr
+    res = runner.invoke(app, base + ["--window", " 4, 0", "--format", "json"])
+    doc = json.loads(res.stdout)
+    assert doc["window"] == [4, 0] and doc["results"][0]["window"] == [4, 0]
+    res = runner.invoke(app, ["emulate", "--cp", "2,4", "--qkv-format", "thd", "--docs", "3", "--seq-len", "48",
+                              "--heads", "2", "--kv-heads", "1", "--strategy", "step0", "--format", "json"])
+    doc = json.loads(res.stdout)
+    assert all(r["docs"] == doc["docs"] and r["window"] is None for r in doc["results"]) and sum(doc["docs"]) == 48
+
+
+@pytest.mark.parametrize("window", ["1_0,0", "\uff14,0", "2.5,0"])
+def test_a_window_is_ascii_digits_as_every_other_number_option(window):
+    """int() took "1_0" as 10 and a full-width digit as 4."""
+    res = runner.invoke(app, ["emulate", "--cp", "2", "--window", window])
+    assert res.exit_code == 2 and "must be a pair LEFT,RIGHT of ints" in res.output, res.output

@@ -66,6 +66,11 @@ def _refused(args, message, started):
     (["check", "--inject", "stall", "--ranks", "1", "--seq-len", "64"], "--ranks >= 2"),
     (["bench", "--inject", "crash", "--simulate", "4"], "--inject crash with --simulate: the fault stops a rank"),
     (["bench", "--simulate", ""], "--simulate needs at least one value"),
+    # accepted and ignored, exit 0: no case read it
+    (["check", "--a2a-size", "4"], "--a2a-size 4: no case of this run is --comm a2a+p2p, the only one that reads it; "
+                                   "add a2a+p2p to --comm, or drop --a2a-size"),
+    (["bench", "--comm", "p2p,a2a", "--a2a-size", "2"], "--a2a-size 2: no case of this run is --comm a2a+p2p"),
+    (["emulate", "--cp", "2", "--a2a-size", "4"], "--a2a-size 4 with --comm p2p: only a2a+p2p reads it"),
     (["bench", "--inject", "stall", "--iters", "1"], "--inject stall --iters 1: the fault stops rank 1 in the second "
                                                      "measured iteration, which this run has not; use --iters 2"),
     (["bench", "--simulate", "2", "--ranks", "4"], "--ranks 4 with --simulate"),

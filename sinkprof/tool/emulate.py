@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -29,6 +30,7 @@ DEFAULT_BATCH = 2
 class EmulateRow:
     comm: str
     qkv_format: str
+    window: str       # LEFT,RIGHT of --window ("128,0"); empty without one
     docs: str         # thd: the documents' lengths ("24,48,24"); empty otherwise
     pack_layout: str  # thd: which rows of the pack each rank holds (zigzag, balanced); empty otherwise
     kv_schedule: str  # the K/V schedule replayed (auto resolved)
@@ -56,8 +58,11 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
     learnable sink of ``randn * 5``. A thd layout packs the documents ``docs`` (their sum is
     ``shape.s``) with ``b = 1``, laid out over the ranks as ``pack_layout`` says.
 
-    With ``a2a_size`` the schedule is a2a+p2p: cp ranks in inner groups of ``a2a_size``."""
+    With ``a2a_size`` the schedule is a2a+p2p: cp ranks in inner groups of ``a2a_size``. A replay
+    that ran as an earlier one did (``--kv-schedule auto,direct`` where auto runs direct) gives no
+    second row; a note on stderr says so."""
     rows = []
+    seen: dict = {}   # (format, cp, mask, strategy, schedule run) -> the --kv-schedule value that ran it
     for fmt, mask in itertools.product(formats, masks):
         fmt = QKVFormat.parse(fmt, "--qkv-format")
         thd = fmt is QKVFormat.THD
@@ -74,11 +79,17 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
                     continue   # each row's keys in one tile (allgather): the bug cannot change a result
                 run = (emulate_ring(inputs, spec, cp, strategy, kv_schedule=kv) if a2a_size is None else
                        emulate_hierarchical(inputs, spec, cp, a2a_size, strategy, kv_schedule=kv))
+                again = seen.setdefault((fmt, cp, mask, strategy, run.kv_schedule), kv)
+                if again is not kv:
+                    print(f"sinkprof emulate: --kv-schedule {kv.value} runs as {again.value} does at cp {cp} "
+                          f"({fmt.value}, {mask}, {strategy.value}): one row for both", file=sys.stderr)
+                    continue
                 got = run.result
                 err = {k: (got.named()[k] - v).abs().max().item() for k, v in ref.named().items()}
                 ratio = (got.d_offset / ref.d_offset).flatten()
                 passed = max(err.values()) <= EMULATE_TOLERANCE
                 rows.append(EmulateRow("p2p" if a2a_size is None else f"a2a+p2p({a2a_size})", fmt.value,
+                                       "" if window is None else f"{window[0]},{window[1]}",
                                        seqlens_text(docs) if thd else "", spec.pack_layout.value if thd else "",
                                        run.kv_schedule.value, cp, MaskType.parse(mask, "mask").value, strategy.value,
                                        err["out"], err["dq"], err["dk"], err["dv"], err["d_sink"], ratio.min().item(),
@@ -198,7 +209,7 @@ def pack(formats, cps, *, seq_len: Optional[int], seqlens: Optional[tuple], docs
     return s, batch or DEFAULT_BATCH, lengths
 
 
-def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: int, window: Optional[str],
+def run(cps, comm: str, a2a_size: Optional[int], masks, strategies, shape: Shape, seed: int, window: Optional[str],
         output: Output, schedules=(KVSchedule.AUTO,), formats=(QKVFormat.BSHD,), docs: tuple = (),
         pack_layout=PackLayout.ZIGZAG) -> int:
     """The command: every option checked and the replay's memory estimated before the first tensor,
@@ -207,8 +218,11 @@ def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: in
     pair = None if window is None else window_pair(window, "--window")
     if comm not in ("p2p", "a2a+p2p"):
         raise ValueError(f"--comm {comm!r}: emulate replays p2p or a2a+p2p")
+    if a2a_size is not None and comm != "a2a+p2p":
+        raise ValueError(f"--a2a-size {a2a_size} with --comm {comm}: only a2a+p2p reads it; use --comm a2a+p2p, "
+                         f"or drop --a2a-size")
     check_pack_layout(pack_layout, formats, comm, schedules)
-    members = a2a_size if comm == "a2a+p2p" else None
+    members = (a2a_size or 2) if comm == "a2a+p2p" else None
     check_heads_and_groups(shape, cps, members)
     check_window(pair, masks)
     specs = [replay_spec(QKVFormat.parse(fmt, "--qkv-format"), mask, pair, docs, pack_layout)
@@ -225,9 +239,9 @@ def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: in
         from rich.table import Table
         t = Table(title=f"fp64 ring replay vs reference (tolerance {EMULATE_TOLERANCE:g}, {', '.join(sizes)} "
                         f"h={shape.h} g={shape.g} d={shape.d}, learnable sink randn*5)")
-        for col in ("comm", "layout", "kv", "cp", "mask", "strategy", "out", "dq", "dk", "dv", "d_sink",
+        for col in ("comm", "format", "kv", "cp", "mask", "strategy", "out", "dq", "dk", "dv", "d_sink",
                     "d_sink ratio", "verdict"):
-            t.add_column(col, justify="right" if col not in ("layout", "kv", "mask", "strategy", "verdict") else "left")
+            t.add_column(col, justify="right" if col not in ("format", "kv", "mask", "strategy", "verdict") else "left")
         for r in rows:
             verdict = ("ok" if r.passed else "WRONG") if r.strategy != "every-tile" else \
                 ("bug detected" if not r.passed else "BUG NOT DETECTED")
@@ -237,10 +251,13 @@ def run(cps, comm: str, a2a_size: int, masks, strategies, shape: Shape, seed: in
                 f"{r.dsink_ratio_min:.4f}..{r.dsink_ratio_max:.4f}", f"[{style}]{verdict}[/{style}]")
         console.print(t)
 
-    output.emit(doc={"passed": ok, "tolerance": EMULATE_TOLERANCE, "shape": asdict(shape), "window": window,
-                     "docs": list(docs) or None, "seed": seed,
-                     # null where a row has no pack, as check's JSON has it (the CSV's cell is empty)
-                     "results": [{k: (None if k in ("docs", "pack_layout") and v == "" else v)
-                                  for k, v in asdict(r).items()} for r in rows]},
+    def as_json(key: str, value):   # as check's JSON has them: numbers as lists, null for none (the CSV's "")
+        if key in ("window", "docs", "pack_layout") and value == "":
+            return None
+        return [int(x) for x in value.split(",")] if key in ("window", "docs") else value
+
+    output.emit(doc={"passed": ok, "tolerance": EMULATE_TOLERANCE, "shape": asdict(shape),
+                     "window": None if pair is None else list(pair), "docs": list(docs) or None, "seed": seed,
+                     "results": [{k: as_json(k, v) for k, v in asdict(r).items()} for r in rows]},
                 rows=[asdict(r) for r in rows], table=table)
     return EXIT_OK if ok else EXIT_FAILED

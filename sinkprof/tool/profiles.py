@@ -200,6 +200,9 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
             if profile.path is None:
                 raise
             raise _in_profile(exc, profile, i) from None
+    if options.a2a_size is not None and not any("a2a+p2p" in g.comm for g in groups):
+        raise ValueError(f"--a2a-size {options.a2a_size}: no case of this run is --comm a2a+p2p, the only one that "
+                         f"reads it; add a2a+p2p to --comm, or drop --a2a-size")
     if options.batch not in (None, 1) and all(set(g.qkv_format) == {"thd"} for g in groups):
         raise ValueError(f"--batch {options.batch}: a thd pack is one sequence of documents, its cases run with "
                          f"b = 1; drop --batch, or add bshd or sbhd to --qkv-format (their cases take it)")
