@@ -249,6 +249,8 @@ def test_a_gpu_profile_on_the_cpu_names_the_profile(no_launch):
                                                                          "profile", no_launch)
     _refused(["check", "--device", "cuda"], "--device cuda: no CUDA device is visible here; use --device cpu",
              no_launch)
+    _refused(["doctor", "--device", "cuda"], "--device cuda: no CUDA device is visible here; run doctor on the GPU "
+                                             "machine, or drop --device", no_launch)
 
 
 def test_a_profile_that_is_a_fifo_is_named_not_waited_for(no_launch, monkeypatch, tmp_path):

@@ -164,7 +164,8 @@ def run(device: Optional[str], output: Output) -> None:
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"--device {device!r}: use cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is visible here")
+        raise ValueError("--device cuda: no CUDA device is visible here; run doctor on the GPU machine, or drop "
+                         "--device (it then diagnoses the CPU)")
     report = diagnose(device)
     output.emit(doc=report.to_json(), table=lambda console: render(report, console))
 
