@@ -288,6 +288,20 @@ def test_an_older_csv_beside_a_current_one_gets_its_own_cp_and_a_simulation_with
     assert res.exit_code == 2 and "sim.csv: rows of a --simulate run but no cp column" in " ".join(res.output.split())
 
 
+def test_csvs_joined_with_cat_say_a_header_repeats_and_blank_flops_are_not_called_a_missing_column(csvs, tmp_path):
+    joined = tmp_path / "joined.csv"
+    joined.write_text(Path(csvs[0]).read_text() + Path(csvs[0]).read_text())
+    res = _report(joined)
+    assert res.exit_code == 2 and "the header's: a second header line (CSVs joined with cat?)" in \
+        " ".join(res.output.split()), res.output
+    blank = tmp_path / "blank.csv"
+    df = pd.read_csv(csvs[0], dtype=str, keep_default_na=False)
+    df["flops"] = ""
+    df.to_csv(blank, index=False)
+    res = _report(blank)
+    assert res.exit_code == 0 and "unknown (no flops in the CSV)" in " ".join(res.stdout.split()), res.output
+
+
 def test_markup_in_cells_prints_as_written_and_git_sha_keeps_its_zeros(csvs, tmp_path):
     df = pd.read_csv(csvs[0], dtype={"git_sha": str})
     df["device_name"] = "[link=https://example.com]x[/link]"

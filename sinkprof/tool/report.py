@@ -235,6 +235,9 @@ def _whole_numbers(path, col: str, cells: pd.Series) -> pd.Series:
         where = f"{path}: column {col} of data row {row + 1} is"
         if value is not None and not INT64[0] <= value <= INT64[1]:
             raise ValueError(f"{where} {text}, outside the 64-bit whole numbers ({INT64[0]} to {INT64[1]})")
+        if text == col:
+            raise ValueError(f"{where} {col!r}, the header's: a second header line (CSVs joined with cat?); give "
+                             f"report each CSV as bench wrote it")
         if value is None or value % 1:
             shown = "empty" if not text else text if NUMBER.fullmatch(text) else repr(cell)
             raise ValueError(f"{where} {shown}, not a whole number")
@@ -593,7 +596,7 @@ def flops_unit(tflops: float) -> tuple[float, str]:
 def flops_text(tflops: float, per: str = "GPU") -> str:
     """``tflops`` in the unit that fits, per GPU or per rank: ``3.2 GFLOP/s per rank``."""
     if tflops != tflops:
-        return f"FLOP/s per {per} unknown (no flops column)"
+        return f"FLOP/s per {per} unknown (no flops in the CSV)"
     scale, unit = flops_unit(tflops)
     value = tflops * scale
     return f"{value:.3g} {unit} per {per}" if value < 1e3 else f"{value:.0f} {unit} per {per}"
