@@ -302,6 +302,20 @@ def test_csvs_joined_with_cat_say_a_header_repeats_and_blank_flops_are_not_calle
     assert res.exit_code == 0 and "unknown (no flops in the CSV)" in " ".join(res.stdout.split()), res.output
 
 
+def test_the_same_case_from_two_runs_is_titled_with_its_run(csvs, tmp_path):
+    """Two runs of one case printed two blocks under the same title."""
+    again = tmp_path / "again.csv"
+    df = pd.read_csv(csvs[0], dtype=str, keep_default_na=False)
+    df["run_id"] = "20261207-000000-aaaaaa"
+    df.to_csv(again, index=False)
+    res = _report(csvs[0], again)
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.stdout.split())
+    first = pd.read_csv(csvs[0], dtype=str)["run_id"].iloc[0]
+    assert f"run {first}: fwdbwd" in text and "run 20261207-000000-aaaaaa: fwdbwd" in text
+    assert " run " not in " ".join(_report(csvs[0]).stdout.split())
+
+
 def test_markup_in_cells_prints_as_written_and_git_sha_keeps_its_zeros(csvs, tmp_path):
     df = pd.read_csv(csvs[0], dtype={"git_sha": str})
     df["device_name"] = "[link=https://example.com]x[/link]"

@@ -769,13 +769,17 @@ def summarize(df: pd.DataFrame, console) -> None:
     from rich.text import Text
     steps = step_table(df)
     ranks = rank_table(df)
-    for _, row in case_rows(df, iteration_table(df)).iterrows():
+    cases = case_rows(df, iteration_table(df))
+    labels = [label(row) for _, row in cases.iterrows()]
+    for name, (_, row) in zip(labels, cases.iterrows()):
         key = case_key(row)
         sel = select(steps, key)
+        if labels.count(name) > 1:   # the same case in several runs (CSVs): which run each table is
+            name = f"{name} run {row['run_id']}"
         if pd.isna(row.get("wall_ms")):   # no iteration rows: every phase's steps
-            title = f"{label(row)}: no iteration rows (wall time, FLOP/s and exposed share unknown)"
+            title = f"{name}: no iteration rows (wall time, FLOP/s and exposed share unknown)"
         else:
-            title = (f"{label(row)}: {row['phase']} {row['wall_ms']:.3f} ms/iter (slowest rank), "
+            title = (f"{name}: {row['phase']} {row['wall_ms']:.3f} ms/iter (slowest rank), "
                      f"{flops_text(row['tflops_per_gpu'], row['per'])}, {exposed_text(row['exposed_pct'])}"
                      + sent_text(row["sent_mb"]))
             if not sel.empty and row["phase"] != "fwdbwd":
