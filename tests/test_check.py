@@ -51,6 +51,17 @@ def test_cp4_all_softmax_types_both_strategies_and_contracts(cli):
     assert doc["cp"] == 4 and all(c["passed"] for c in doc["cases"])
 
 
+def test_a_case_that_runs_as_an_earlier_one_is_checked_once(cli):
+    """``--kv-schedule auto,direct,ring`` where auto runs direct checked direct twice."""
+    res = cli("check", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp64", "--kv-schedule",
+              "auto,direct,ring", "--format", "json")
+    doc = _json(res)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ("sinkprof check: skipped case 2 (p2p/learnable/causal/bshd/fp64/step0/grad=full/kv=direct): it runs as "
+            "case 1 (p2p/learnable/causal/bshd/fp64/step0/grad=full) does") in res.stderr
+    assert sorted(c["kv_schedule"] for c in doc["cases"]) == ["direct", "ring"]
+
+
 def test_a_ring_of_more_steps_than_result_buffers_passes(cli):
     """10 ranks: 9 later tiles fill the forward's 8 buffers of later results, which then merge
     through the fp32 accumulator before the last pass (plan.PARTS, ring.ForwardState)."""

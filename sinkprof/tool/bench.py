@@ -29,7 +29,7 @@ from ..options import DTYPES, CommType, CPOptions, KVSchedule, QKVFormat, accum_
 from ..plan import shard, spec_layout
 from ..ring import (BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, joined_plan, run_backward,
                     run_forward)
-from ..schedule import comm_schedule, resolved_kv_schedule, row_bytes
+from ..schedule import comm_schedule, row_bytes
 from ..sink import sink_logits
 from ..testing import make_inputs
 from .cases import Case, Settings, check_seq_len, expand, seqlens_text
@@ -130,17 +130,9 @@ def _merges(device: torch.device) -> str:
     return "triton" if fused.disabled_reason() is None else "torch"
 
 
-def kv_schedule_of(case: Case, cp: int) -> str:
-    """The K/V schedule a case's ring runs (``auto`` resolved); empty when no ring runs."""
-    sh = case.shape
-    kind = resolved_kv_schedule(s=sh.s, b=sh.b, h=sh.h, g=sh.g, d=sh.d, dtype=DTYPES[case.dtype], cp=cp,
-                                mask=case.mask, window=case.window, comm=case.comm, a2a_size=case.a2a_size,
-                                kv_schedule=case.kv_schedule, cu_seqlens=case.cu_seqlens, pack_layout=case.pack_layout)
-    return "" if kind is None else kind.value
-
-
 def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simulated: bool, phase: str) -> dict:
     from ..kernels.cudnn import versions
+    schedule = case.schedule_run(cp)
     return {
         "comm": case.comm.value, "softmax": case.softmax.value,
         "sink_strategy": case.sink_strategy.value if case.softmax.has_sink else "",
@@ -150,7 +142,7 @@ def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simul
         "docs": seqlens_text(case.docs), "pack_layout": case.pack_layout.value if case.docs else "",
         "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
         "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm is CommType.A2A_P2P else "",
-        "kv_schedule": kv_schedule_of(case, cp),
+        "kv_schedule": "" if schedule is None else schedule.value,
         "backend": backend_name, "merges": _merges(device), "simulated": simulated, "predicted": False, "link": "",
         "flops": useful_flops(case, phase),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

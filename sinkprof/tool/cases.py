@@ -23,6 +23,7 @@ from ..options import (DTYPES, A2AError, A2AProblem, AttnSpec, Backend, CommType
                        QKVFormat, SinkGrad, SinkStrategy, SoftmaxType, check_a2a_size, check_gqa, check_heads,
                        check_seed, check_sink_strategy, make_spec, parse_dtype, window_pair)
 from ..plan import spec_layout
+from ..schedule import resolved_kv_schedule
 from ..testing import Shape
 
 DEFAULT_DOCS = 3    # documents of a thd pack given neither --seqlens nor --docs (fewer if the pack is short)
@@ -415,6 +416,15 @@ class Case:
     @property
     def label(self) -> str:
         return "/".join(self.parts().values())
+
+    def schedule_run(self, cp: int) -> Optional[KVSchedule]:
+        """The K/V schedule this case's ring runs at ``cp`` ranks (``auto`` resolved); None where
+        no ring runs (a2a)."""
+        sh = self.shape
+        return resolved_kv_schedule(s=sh.s, b=sh.b, h=sh.h, g=sh.g, d=sh.d, dtype=DTYPES[self.dtype], cp=cp,
+                                    mask=self.mask, window=self.window, comm=self.comm, a2a_size=self.a2a_size,
+                                    kv_schedule=self.kv_schedule, cu_seqlens=self.cu_seqlens,
+                                    pack_layout=self.pack_layout)
 
     @property
     def has_grad_contract(self) -> bool:

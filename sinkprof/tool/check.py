@@ -11,6 +11,7 @@ receives, per (phase, step, kind, peer), are checked against the plan's (the byt
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -284,7 +285,8 @@ def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: flo
     terminal); exit 0 only if all passed. A run that stops early (a case that fails or hangs in an
     exchange, the run's own timeout, a SIGTERM) still has rank 0 report the cases it finished and
     where it stopped: one report, whichever thread comes first (``ReportOnce``)."""
-    cases = [(settings, case) for settings in groups for case in expand(settings)]
+    cases = distinct_cases([(settings, case) for settings in groups for case in expand(settings)], info.world,
+                           loud=info.rank == 0)
     results: list = []
     with faults.injected(fault), CaseProgress.for_run(len(cases), info.rank, output) as progress:
         def emit(done: list, stopped: Optional[Stopped]) -> None:
@@ -311,6 +313,24 @@ def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: flo
     if info.rank == 0 and not once.write(results, None):
         return EXIT_FAILED   # the run's timeout came first, and reported it
     return EXIT_OK if all(r.passed for r in results) else EXIT_FAILED
+
+
+def distinct_cases(cases: list, cp: int, loud: bool) -> list:
+    """The (settings, case) pairs of a run less each that would run as an earlier one does
+    (``--kv-schedule auto,direct`` where auto runs direct; two profile groups that share a case),
+    with a note on stderr (``loud``: rank 0's): it would check the same thing twice."""
+    kept, seen = [], {}
+    for number, (settings, case) in enumerate(cases, 1):
+        schedule = case.schedule_run(cp)
+        key = (settings.backend, settings.seed,
+               case if schedule is None else dataclasses.replace(case, kv_schedule=schedule))
+        first, label = seen.setdefault(key, (number, case.label))
+        if first == number:
+            kept.append((settings, case))
+        elif loud:
+            print(f"sinkprof check: skipped case {number} ({case.label}): it runs as case {first} ({label}) does",
+                  file=sys.stderr)
+    return kept
 
 
 class ReportOnce:
