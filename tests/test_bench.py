@@ -301,7 +301,7 @@ def test_a_profile_that_cannot_be_read_says_what_to_do(tmp_path, monkeypatch):
     from sinkprof.cli import app
     guarded, unreadable = tmp_path / "locked" / "p.toml", tmp_path / "p.toml"
     unreadable.write_text("ranks = 2\n")
-    is_file, read_text = Path.is_file, Path.read_text
+    stat, is_file, read_text = Path.stat, Path.is_file, Path.read_text
 
     def denied(real):
         def method(self, *args, **kwargs):
@@ -309,6 +309,7 @@ def test_a_profile_that_cannot_be_read_says_what_to_do(tmp_path, monkeypatch):
                 raise PermissionError(errno.EACCES, "Permission denied", str(self))
             return real(self, *args, **kwargs)
         return method
+    monkeypatch.setattr(Path, "stat", denied(stat))
     monkeypatch.setattr(Path, "is_file", denied(is_file))
     monkeypatch.setattr(Path, "read_text", denied(read_text))
     for profile, says in ((guarded, f"--profile '{guarded}': Permission denied; name a profile file you can read"),

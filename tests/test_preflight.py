@@ -273,10 +273,13 @@ def test_profiles_name_prints_its_text_as_written_and_refuses_a_profile_check_wo
     (tmp_path / "markup.toml").write_text('description = "uses [/x] and [red]markup[/red]"\n')
     (tmp_path / "negranks.toml").write_text('description = "d"\nranks = -3\n')
     (tmp_path / "badval.toml").write_text('description = "d"\ndtype = "[/x]"\n')
+    (tmp_path / "elsewhere.toml").write_text('description = "d"\ndevice = "cuda"\nbackend = "fa4"\nranks = 8\n')
     monkeypatch.setenv("SINKPROF_PROFILES", str(tmp_path))
     res = runner.invoke(app, ["profiles", "markup"])
     assert res.exit_code == 0, res.output
     assert "markup: uses [/x] and [red]markup[/red]" in res.output
+    res = runner.invoke(app, ["profiles", "elsewhere"])   # for a GPU machine with FA4: shown on any
+    assert res.exit_code == 0 and "backend=fa4" in res.output, res.output
     for name, says in (("negranks", "--ranks -3 must be >= 1 (with the settings of profile"),
                        ("badval", "--dtype='[/x]' is not supported")):
         res = runner.invoke(app, ["profiles", name])
@@ -291,7 +294,7 @@ def test_a_profile_path_that_is_a_symlink_loop_or_dangling_says_so(no_launch, tm
     """Both read ``no such file``, though ``ls`` lists the name."""
     (tmp_path / "loop.toml").symlink_to("loop.toml")
     (tmp_path / "dangling.toml").symlink_to("gone.toml")
-    _refused(["check", "--profile", str(tmp_path / "loop.toml")], "loop.toml': too many levels of symbolic links; "
+    _refused(["check", "--profile", str(tmp_path / "loop.toml")], "loop.toml': Too many levels of symbolic links; "
                                                                    "name a profile file you can read", no_launch)
     _refused(["bench", "--profile", str(tmp_path / "dangling.toml")], "dangling.toml': a symlink to no file",
              no_launch)

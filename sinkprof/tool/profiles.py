@@ -154,8 +154,8 @@ def locate(name: str, option: str = "--profile") -> Path:
         except FileNotFoundError:
             raise ValueError(f"{option} {name!r}: " + ("a symlink to no file" if path.is_symlink() else "no such file")) from None
         except OSError as exc:   # a folder that cannot be entered, a symlink loop
-            raise ValueError(f"{option} {name!r}: {(exc.strerror or str(exc)).lower()}; name a profile file you "
-                             f"can read (or a named profile, see sinkprof profiles)") from None
+            raise ValueError(f"{option} {name!r}: {exc.strerror or exc}; name a profile file you can read "
+                             f"(or a named profile, see sinkprof profiles)") from None
         if not path.is_file():
             raise ValueError(f"{option} {name!r}: {_kind(path)}, not a regular file; name a profile file")
         return path
@@ -282,7 +282,7 @@ def show(name: Optional[str], output: Output) -> None:
     groups = [] if prof is None else prof.resolve({})
     for i, settings in enumerate(groups):
         try:
-            settings.validate()
+            settings.validate(here=False)   # a profile for another machine shows here
         except ValueError as exc:
             raise (exc if prof.path is None else _in_profile(exc, prof, i)) from None
     output.emit(table=table)
