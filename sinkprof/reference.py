@@ -65,16 +65,22 @@ def attention(q, k, v, softmax_offset=None, *, softmax_type="vanilla", mask="no_
     # A row no key reaches (masked whole, or a bias of -inf on every key: a padding row) gets harmless
     # finite scores and lse -inf; its probabilities are zeroed below. Left at -inf, logsumexp's
     # backward would put NaN in its gradients (-inf - -inf) and, through dk, in every row's.
-    empty = torch.isneginf(scores).all(-1, keepdim=True)                 # [b, h, s_q, 1]
-    scores = scores.masked_fill(empty, 0.0)
-    lse = torch.logsumexp(scores, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))   # [b, h, s_q]
+    # (Only a mask or a bias can empty a row: without either, no pass over the scores for it.)
+    empty = None if visible is None and bias is None else torch.isneginf(scores).all(-1, keepdim=True)
+    if empty is not None:                                                   # [b, h, s_q, 1]
+        scores = scores.masked_fill(empty, 0.0)
+    lse = torch.logsumexp(scores, dim=-1)                                   # [b, h, s_q]
+    if empty is not None:
+        lse = lse.masked_fill(empty.squeeze(-1), float("-inf"))
     sink = sink_logits(spec.softmax_type, softmax_offset, dims.h, q.device)   # bf16/fp16: used in fp32 or fp64
     if sink is not None:   # a head whose sink is -inf has none (logaddexp(-inf, -inf)'s backward is NaN)
         a = sink.reshape(1, -1, 1).to(acc)
         off = torch.isneginf(a)
         lse = torch.where(off, lse, torch.logaddexp(lse, a.masked_fill(off, 0.0)))
     lse_finite = lse.masked_fill(lse == float("-inf"), 0.0)
-    probs = torch.exp(scores - lse_finite.unsqueeze(-1)).masked_fill(empty, 0.0)
+    probs = torch.exp(scores - lse_finite.unsqueeze(-1))
+    if empty is not None:
+        probs = probs.masked_fill(empty, 0.0)
     out = torch.einsum("bgrqk,bgkd->bgrqd", probs.unflatten(1, (dims.g, dims.h // dims.g)), vh)
     out = fmt.from_bhsd(out.flatten(1, 2)).to(q.dtype)
     if thd:

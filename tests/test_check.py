@@ -52,14 +52,20 @@ def test_cp4_all_softmax_types_both_strategies_and_contracts(cli):
 
 
 def test_a_case_that_runs_as_an_earlier_one_is_checked_once(cli):
-    """``--kv-schedule auto,direct,ring`` where auto runs direct checked direct twice."""
+    """``--kv-schedule auto,direct,ring`` where auto runs direct checked direct twice, and a run
+    without a ring each schedule."""
     res = cli("check", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp64", "--kv-schedule",
               "auto,direct,ring", "--format", "json")
     doc = _json(res)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert ("sinkprof check: skipped case 2 (p2p/learnable/causal/bshd/fp64/step0/grad=full/kv=direct): it runs as "
-            "case 1 (p2p/learnable/causal/bshd/fp64/step0/grad=full) does") in res.stderr
+    assert ("sinkprof check: skipped p2p/learnable/causal/bshd/fp64/step0/grad=full/kv=direct: it runs as "
+            "p2p/learnable/causal/bshd/fp64/step0/grad=full does") in res.stderr
     assert sorted(c["kv_schedule"] for c in doc["cases"]) == ["direct", "ring"]
+    # no ring (one rank): every schedule is the same case
+    res = cli("check", "--ranks", "1", "--softmax", "vanilla", "--mask", "causal", "--dtype", "fp64", "--kv-schedule",
+              "auto,direct,ring", "--seq-len", "16", "--format", "json")
+    assert res.returncode == 0 and len(_json(res)["cases"]) == 1, res.stdout + res.stderr
+    assert res.stderr.count("sinkprof check: skipped") == 2
 
 
 def test_a_ring_of_more_steps_than_result_buffers_passes(cli):

@@ -84,6 +84,12 @@ def test_auto_and_the_schedule_it_runs_give_one_row_and_the_json_writes_numbers_
     assert sorted(r["kv_schedule"] for r in rows) == ["direct", "ring"]
     assert {r["window"] for r in rows} == {"4,0"}
     assert "--kv-schedule direct runs as auto does at cp 2 (bshd, causal, step0): one row for both" in res.stderr
+    # a ring of one rank (a2a+p2p over one group) runs no schedule: one row, its schedule empty
+    res = runner.invoke(app, ["emulate", "--cp", "2", "--comm", "a2a+p2p", "--a2a-size", "2", "--kv-schedule",
+                              "auto,direct,ring", "--mask", "causal", "--strategy", "step0", "--heads", "2",
+                              "--kv-heads", "2", "--format", "csv"])
+    assert res.exit_code == 0, res.output
+    assert [r["kv_schedule"] for r in csv.DictReader(io.StringIO(res.stdout))] == [""]
     res = runner.invoke(app, base + ["--window", " 4, 0", "--format", "json"])
     doc = json.loads(res.stdout)
     assert doc["window"] == [4, 0] and doc["results"][0]["window"] == [4, 0]

@@ -132,17 +132,8 @@ def _merges(device: torch.device) -> str:
 
 def metadata(case: Case, cp: int, device: torch.device, backend_name: str, simulated: bool, phase: str) -> dict:
     from ..kernels.cudnn import versions
-    schedule = case.schedule_run(cp)
     return {
-        "comm": case.comm.value, "softmax": case.softmax.value,
-        "sink_strategy": case.sink_strategy.value if case.softmax.has_sink else "",
-        "sink_grad": case.sink_grad.value if case.has_grad_contract else "",
-        "mask": case.mask.value, "window": "" if case.window is None else f"{case.window[0]},{case.window[1]}",
-        "bias": case.bias, "qkv_format": case.qkv_format.value,
-        "docs": seqlens_text(case.docs), "pack_layout": case.pack_layout.value if case.docs else "",
-        "dtype": case.dtype, "b": case.shape.b, "s": case.shape.s, "h": case.shape.h, "g": case.shape.g,
-        "d": case.shape.d, "cp": cp, "a2a_size": case.a2a_size if case.comm is CommType.A2A_P2P else "",
-        "kv_schedule": "" if schedule is None else schedule.value,
+        **case.columns(cp),
         "backend": backend_name, "merges": _merges(device), "simulated": simulated, "predicted": False, "link": "",
         "flops": useful_flops(case, phase),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

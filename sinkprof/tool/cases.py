@@ -101,10 +101,11 @@ class Settings:
     backend: str = "auto"
     seed: int = 0
 
-    def validate(self, ranks_name: str = "--ranks") -> None:
+    def validate(self, ranks_name: str = "--ranks", here: bool = True) -> None:
         """Raise ValueError naming the option for anything a run would trip over later, with the
         library's own checks (the ones ``cp_attention`` runs on the tensors). ``ranks_name`` is
-        where the ranks came from (``WORLD_SIZE`` under torchrun, where --ranks is refused)."""
+        where the ranks came from (``WORLD_SIZE`` under torchrun, where --ranks is refused);
+        ``here``: also whether the backend runs on this machine (not for showing a profile)."""
         for name in LIST_FIELDS:
             values = getattr(self, name)
             if not values:
@@ -121,7 +122,7 @@ class Settings:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device!r} is not supported; use cpu or cuda")
         backend = Backend.parse(self.backend, "--backend")
-        if backend not in (Backend.AUTO, Backend.TORCH):
+        if here and backend not in (Backend.AUTO, Backend.TORCH):
             reason = unavailable_reason(backend, self.device)
             if reason is not None:
                 raise ValueError(f"--backend {backend.value} cannot run here: {reason}; "
@@ -416,6 +417,24 @@ class Case:
     @property
     def label(self) -> str:
         return "/".join(self.parts().values())
+
+    def columns(self, cp: int) -> dict:
+        """The case at ``cp`` ranks as bench's CSV columns write it: a field that does not apply is
+        empty (a vanilla case's strategy, a contract without a replicated gradient, an a2a size
+        outside a2a+p2p, a pack's layout without a pack) and the K/V schedule is the one that runs
+        (``auto`` resolved; empty without a ring). Cases with the same columns run the same thing."""
+        schedule = self.schedule_run(cp)
+        return {
+            "comm": self.comm.value, "softmax": self.softmax.value,
+            "sink_strategy": self.sink_strategy.value if self.softmax.has_sink else "",
+            "sink_grad": self.sink_grad.value if self.has_grad_contract else "",
+            "mask": self.mask.value, "window": "" if self.window is None else f"{self.window[0]},{self.window[1]}",
+            "bias": self.bias, "qkv_format": self.qkv_format.value,
+            "docs": seqlens_text(self.docs), "pack_layout": self.pack_layout.value if self.docs else "",
+            "dtype": self.dtype, "b": self.shape.b, "s": self.shape.s, "h": self.shape.h, "g": self.shape.g,
+            "d": self.shape.d, "cp": cp, "a2a_size": self.a2a_size if self.comm is CommType.A2A_P2P else "",
+            "kv_schedule": "" if schedule is None else schedule.value,
+        }
 
     def schedule_run(self, cp: int) -> Optional[KVSchedule]:
         """The K/V schedule this case's ring runs at ``cp`` ranks (``auto`` resolved); None where

@@ -11,7 +11,6 @@ receives, per (phase, step, kind, peer), are checked against the plan's (the byt
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
 import time
@@ -320,16 +319,13 @@ def distinct_cases(cases: list, cp: int, loud: bool) -> list:
     (``--kv-schedule auto,direct`` where auto runs direct; two profile groups that share a case),
     with a note on stderr (``loud``: rank 0's): it would check the same thing twice."""
     kept, seen = [], {}
-    for number, (settings, case) in enumerate(cases, 1):
-        schedule = case.schedule_run(cp)
-        key = (settings.backend, settings.seed,
-               case if schedule is None else dataclasses.replace(case, kv_schedule=schedule))
-        first, label = seen.setdefault(key, (number, case.label))
-        if first == number:
+    for settings, case in cases:
+        key = (settings.backend, settings.seed, tuple(case.columns(cp).items()))
+        first = seen.setdefault(key, case)
+        if first is case:
             kept.append((settings, case))
         elif loud:
-            print(f"sinkprof check: skipped case {number} ({case.label}): it runs as case {first} ({label}) does",
-                  file=sys.stderr)
+            print(f"sinkprof check: skipped {case.label}: it runs as {first.label} does", file=sys.stderr)
     return kept
 
 
