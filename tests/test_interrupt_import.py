@@ -37,11 +37,17 @@ def _mapped(pid: int, library: str) -> bool:
         return False
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """SIGINT's default action in the command: a shell starts a background job (``pytest &``, as a
+    CI runner may) with SIGINT ignored, its children inherit that, and Python then keeps it so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupted(command: list, args: list, moment, delay: float = 0.0) -> None:
     """Start the CLI, send it SIGINT ``delay`` seconds after ``moment`` (seconds from the start, or
     the name of a library: once it is mapped), and check that it ended as a Ctrl-C does."""
     proc = subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_sigint_as_at_a_terminal)
     try:
         if isinstance(moment, float):
             time.sleep(moment)

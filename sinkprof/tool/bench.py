@@ -32,7 +32,7 @@ from ..ring import (BackwardState, BiasTiles, ForwardState, LocalDKV, LocalKV, j
 from ..schedule import comm_schedule, row_bytes
 from ..sink import sink_logits
 from ..testing import make_inputs
-from .cases import Case, Settings, check_seq_len, expand, seqlens_text
+from .cases import Case, Settings, check_seq_len, expand
 from .errors import EXIT_OK
 from .launcher import RankInfo
 from .linkmodel import Link, predict

@@ -62,8 +62,9 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
     ``shape.s``) with ``b = 1``, laid out over the ranks as ``pack_layout`` says.
 
     With ``a2a_size`` the schedule is a2a+p2p: cp ranks in inner groups of ``a2a_size``. A replay
-    that ran as an earlier one did (``--kv-schedule auto,direct`` where auto runs direct) gives no
-    second row; a note on stderr says so."""
+    that runs as an earlier one does gives no second row: a note on stderr says so where a ring
+    runs (``--kv-schedule auto,direct`` where auto runs direct); without a ring every schedule is
+    the same replay, one row."""
     rows = []
     seen: dict = {}   # (format, cp, mask, strategy, schedule run) -> the --kv-schedule value that runs it
     for fmt, mask in itertools.product(formats, masks):
@@ -86,7 +87,9 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
                                            a2a_size=a2a_size, kv_schedule=kv, cu_seqlens=spec.cu_seqlens,
                                            pack_layout=spec.pack_layout)   # None: a ring of one rank runs none
                 again = seen.setdefault((fmt, cp, mask, strategy, ran), kv)
-                if again is not kv:
+                if again is not kv:   # said where a ring runs (without one, no schedule means anything)
+                    if ran is None:
+                        continue
                     print(f"sinkprof emulate: --kv-schedule {kv.value} runs as {again.value} does at cp {cp} "
                           f"({fmt.value}, {mask}, {strategy.value}): one row for both", file=sys.stderr)
                     continue
