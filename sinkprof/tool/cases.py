@@ -26,6 +26,7 @@ from ..plan import spec_layout
 from ..schedule import resolved_kv_schedule
 from ..testing import Shape
 
+DEFAULT_A2A_SIZE = 2   # ranks per inner a2a group of a2a+p2p when --a2a-size is not given
 DEFAULT_DOCS = 3    # documents of a thd pack given neither --seqlens nor --docs (fewer if the pack is short)
 MAX_DOCS = 2 ** 20  # random documents drawn at most
 
@@ -88,7 +89,7 @@ class Settings:
     pack_layout: str = "zigzag"       # thd: which rows of the pack each rank holds
     window: Optional[tuple] = None
     bias: bool = False
-    a2a_size: int = 2
+    a2a_size: int = DEFAULT_A2A_SIZE
     batch: int = 2
     seq_len: int = 64
     seqlens: Optional[tuple] = None   # thd: the documents' lengths (they sum to seq_len)
@@ -380,7 +381,7 @@ class Case:
     window: Optional[tuple]
     bias: bool
     shape: Shape
-    a2a_size: int = 2
+    a2a_size: int = DEFAULT_A2A_SIZE
     kv_schedule: KVSchedule = KVSchedule.AUTO
     docs: tuple = ()                 # thd: the documents' lengths, in order
     pack_layout: PackLayout = PackLayout.ZIGZAG   # thd: which rows of the pack each rank holds
@@ -428,7 +429,7 @@ class Case:
             "comm": self.comm.value, "softmax": self.softmax.value,
             "sink_strategy": self.sink_strategy.value if self.softmax.has_sink else "",
             "sink_grad": self.sink_grad.value if self.has_grad_contract else "",
-            "mask": self.mask.value, "window": "" if self.window is None else f"{self.window[0]},{self.window[1]}",
+            "mask": self.mask.value, "window": window_text(self.window),
             "bias": self.bias, "qkv_format": self.qkv_format.value,
             "docs": seqlens_text(self.docs), "pack_layout": self.pack_layout.value if self.docs else "",
             "dtype": self.dtype, "b": self.shape.b, "s": self.shape.s, "h": self.shape.h, "g": self.shape.g,
@@ -449,6 +450,11 @@ class Case:
     def has_grad_contract(self) -> bool:
         """Whether ``sink_grad`` means something here (``grad_contract_applies``)."""
         return grad_contract_applies(self.softmax, self.bias)
+
+
+def window_text(window: Optional[tuple]) -> str:
+    """A window as a CSV cell writes it, ``LEFT,RIGHT``; empty without one."""
+    return "" if window is None else f"{window[0]},{window[1]}"
 
 
 def grad_contract_applies(softmax: SoftmaxType, bias: bool) -> bool:

@@ -19,8 +19,8 @@ from ..options import (A2AError, AttnSpec, KVSchedule, MaskType, PackLayout, QKV
 from ..plan import spec_layout
 from ..schedule import resolved_kv_schedule
 from ..testing import Shape, make_inputs, reference
-from .cases import (Settings, check_head_counts, check_pack_layer, check_window, docs_label, merge_layers,
-                    seqlens_text)
+from .cases import (DEFAULT_A2A_SIZE, Settings, check_head_counts, check_pack_layer, check_window, docs_label,
+                    merge_layers, seqlens_text, window_text)
 from .errors import EXIT_FAILED, EXIT_OK
 from .output import Output
 from .preflight import check_replay_memory, sink_counted_again
@@ -87,11 +87,10 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
                                            a2a_size=a2a_size, kv_schedule=kv, cu_seqlens=spec.cu_seqlens,
                                            pack_layout=spec.pack_layout)   # None: a ring of one rank runs none
                 again = seen.setdefault((fmt, cp, mask, strategy, ran), kv)
-                if again is not kv:   # said where a ring runs (without one, no schedule means anything)
-                    if ran is None:
-                        continue
-                    print(f"sinkprof emulate: --kv-schedule {kv.value} runs as {again.value} does at cp {cp} "
-                          f"({fmt.value}, {mask}, {strategy.value}): one row for both", file=sys.stderr)
+                if again is not kv:
+                    if ran is not None:   # without a ring no schedule means anything: nothing to say
+                        print(f"sinkprof emulate: --kv-schedule {kv.value} runs as {again.value} does at cp {cp} "
+                              f"({fmt.value}, {mask}, {strategy.value}): one row for both", file=sys.stderr)
                     continue
                 run = (emulate_ring(inputs, spec, cp, strategy, kv_schedule=kv) if a2a_size is None else
                        emulate_hierarchical(inputs, spec, cp, a2a_size, strategy, kv_schedule=kv))
@@ -100,7 +99,7 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
                 ratio = (got.d_offset / ref.d_offset).flatten()
                 passed = max(err.values()) <= EMULATE_TOLERANCE
                 rows.append(EmulateRow("p2p" if a2a_size is None else f"a2a+p2p({a2a_size})", fmt.value,
-                                       "" if window is None else f"{window[0]},{window[1]}",
+                                       window_text(window),
                                        seqlens_text(docs) if thd else "", spec.pack_layout.value if thd else "",
                                        "" if ran is None else ran.value, cp, MaskType.parse(mask, "mask").value,
                                        strategy.value,
@@ -234,7 +233,7 @@ def run(cps, comm: str, a2a_size: Optional[int], masks, strategies, shape: Shape
         raise ValueError(f"--a2a-size {a2a_size} with --comm {comm}: only a2a+p2p reads it; use --comm a2a+p2p, "
                          f"or drop --a2a-size")
     check_pack_layout(pack_layout, formats, comm, schedules)
-    members = (a2a_size or 2) if comm == "a2a+p2p" else None
+    members = (a2a_size or DEFAULT_A2A_SIZE) if comm == "a2a+p2p" else None
     check_heads_and_groups(shape, cps, members)
     check_window(pair, masks)
     specs = [replay_spec(QKVFormat.parse(fmt, "--qkv-format"), mask, pair, docs, pack_layout)
