@@ -11,6 +11,7 @@
 # layout8 layout8b layout8t layout8p layout8v verify9 rings9 rings9d prof9 final9 verify10 rings11 prof11 verify11 verify12 runs12 rings12 tests12 final12 prof12 verify13 ab13
 # verify14 ab14 verify15 rows15 prio15 beside16 beside16b verify16 pieces17 verify17 verify17b config18 matrix18_2 matrix18_4 verify18
 # session20 session20b session20c prof21 verify21 rings21 rings21b layout21 prof22 chain22 launch22 launch22b census23 rounds23 rest24 verify27
+# verify28 shapes28
 # (default: tests check window scale bench). Any ring cell as a step of its own, so that a call holds what its time
 # allows: ring:CONFIG:CPS:MASKS:BACKENDS (scripts/bench_kernels.py's --rings, --masks and --ring-backends; the
 # launch hidden, rounds equal), e.g. ring:gpt-oss:8:causal:fa4+null,fa4+comm; its seconds: RING_S (default 270).
@@ -620,6 +621,22 @@ if [[ $what == *" verify27 "* ]]; then   # <= 560 s: what has not run on a GPU s
   run report27 ${REPORT_S:-40} $SP report "$OUT/bench27.csv"
   run torchrun27 ${TORCHRUN_S:-90} python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m sinkprof check --device cuda \
       --backend fa4 --softmax learnable --seq-len 2048 --heads 8 --kv-heads 4 --head-dim 64 --timeout 60
+fi
+if [[ $what == *" verify28 "* ]]; then   # <= 480 s: what has not run on a GPU since the twenty-seventh session
+  # (2135ee6..): the fused Triton kernels with a -inf sink, the ring schedule through them, the balanced pack's
+  # fp16 cells not reached then; bench (its columns through Case.columns) and report on fa4 with a bias
+  run gpu_tests28 ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "fused or ring_schedule or (balanced_layout_on_fa4 and dtype1)"
+  run bench28 ${BENCH_S:-100} $SP bench --device cuda --backend fa4 --ranks 2 --seq-len 2048 --heads 8 --kv-heads 4 \
+      --head-dim 64 --bias --warmup 2 --iters 5 --csv "$OUT/bench28.csv"
+  run report28 ${REPORT_S:-40} $SP report "$OUT/bench28.csv"
+fi
+if [[ $what == *" shapes28 "* ]]; then   # <= 200 s: FA4's sm90 backward (main kernel) on the call shapes a backward
+  # that carries rows (q, dO) rather than K/V would run at h16 d128 causal (docs/design.md, section 7: every call
+  # 8192 rows or more), beside the K/V-carrying ring's own shapes and the monolithic causal call at 64k
+  run config_probe28 ${PROBE_S:-200} python3 scripts/config_probe.py \
+      --tiles 4096x8192,4096x16384,4096x32768,8192x4096,8192x16384,16384x4096,32768x4096,57344x4096,12288x8192,16384x8192,28672x8192 \
+      --causal 8192,65536
 fi
 set -f   # a cell is words, not a pattern
 for cell in $what; do   # ring:CONFIG:CPS:MASKS:BACKENDS
