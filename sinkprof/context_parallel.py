@@ -23,7 +23,7 @@ from .hierarchical import CPGroups, check_grid, hierarchical_attention, split_gr
 from .kernels import get_kernel
 from .options import (A2AError, CommType, CPOptions, KVSchedule, QKVFormat, SinkGrad, check_a2a_size, check_bias,
                       check_docs, check_heads, check_int, check_offset, check_qkv, check_runs, check_scale, check_sink_strategy,
-                      check_timeout, make_spec)
+                      check_timeout, make_spec, plain_a2a)
 from .plan import spec_layout
 
 _comms: dict = {}
@@ -136,7 +136,14 @@ def cp_attention(q, k, v, softmax_offset=None, *, group=None, comm="p2p", softma
     full = dims.s_q * world
     check_bias(bias, dims.b, dims.h, full, full, q.device)
     groups = scope.groups(dims.h, dims.g, comm_type)
+    # autograd cannot save a tensor made under torch.inference_mode; the ring saves the offset and the
+    # bias for its backward, so such an argument is used as a copy (torch's own ops on it would save it too)
+    saves = torch.is_grad_enabled()
     offset = softmax_offset
+    if saves and offset is not None and offset.is_inference():
+        offset = offset.clone()
+    if saves and bias is not None and bias.is_inference():
+        bias = bias.clone()
     if offset is not None:
         offset = ReplicatedGrad.apply(_at_least_fp32(offset), groups, opts, "sink gradient all-reduce")
     bias_given = bias
@@ -221,7 +228,9 @@ class Scope:
             if comm_type is not CommType.A2A_P2P:
                 raise ValueError(f"group=(a2a_group, p2p_group) is the form of comm='a2a+p2p', not "
                                  f"comm={comm_type.value!r}: pass one ProcessGroup (None: the world)")
-            if len(group) != 2 or a2a_size is not None:
+            if len(group) != 2:
+                raise ValueError(f"group=(a2a_group, p2p_group) takes exactly two process groups, got {len(group)}")
+            if a2a_size is not None:
                 raise ValueError("comm='a2a+p2p' takes group=(a2a_group, p2p_group) or a2a_size, not both")
             pair = (_one_group(group[0], "group[0] (the a2a group)"),
                     _one_group(group[1], "group[1] (the p2p group)"))
@@ -257,19 +266,8 @@ class Scope:
             try:
                 check_heads(h, g, self._groups.inner.size, world=self.size)
             except A2AError as exc:
-                raise (_plain_a2a(exc) if comm_type is CommType.A2A else exc) from None
+                raise (plain_a2a(exc) if comm_type is CommType.A2A else exc) from None
         return self._groups
-
-
-def _plain_a2a(exc: A2AError) -> A2AError:
-    """``check_heads``'s error in the words of comm='a2a', which takes no a2a size: p2p, or a2a+p2p
-    with a smaller a2a group that splits the heads."""
-    w, h, g = exc.world, exc.h, exc.g
-    smaller = [n for n in exc.sizes if 1 < n < w]
-    also = f", or comm='a2a+p2p' with a2a_size={' or '.join(map(str, smaller))}" if smaller else ""
-    return A2AError(f"comm='a2a' splits the heads over the {w} ranks of the group: q has h={h} heads and k, v have "
-                    f"g={g}, but h={h} and g={g} must both be divisible by {w}; use comm='p2p'{also}",
-                    exc.problem, members=exc.members, world=w, h=h, g=g, sizes=exc.sizes)
 
 
 def cp_groups(comm_type: CommType, group, a2a_size: Optional[int], timeout: float) -> CPGroups:

@@ -212,6 +212,19 @@ class AttnSpec:
     docs: tuple[int, ...] = ()      # thd: the length of each document of the pack, in order
     pack_layout: PackLayout = PackLayout.ZIGZAG   # thd: which rows of the pack each rank holds
 
+    def __post_init__(self) -> None:
+        # built by hand (the reference, the tests' specs), a field must mean what make_spec's would:
+        # the loops compare the enums by identity, and a window side of -1 (make_spec's unbounded) is None here
+        for name, kind in (("softmax_type", SoftmaxType), ("mask", MaskType), ("qkv_format", QKVFormat),
+                           ("pack_layout", PackLayout)):
+            object.__setattr__(self, name, kind.parse(getattr(self, name), f"AttnSpec.{name}"))
+        window = self.window
+        if not (isinstance(window, tuple) and len(window) == 2 and all(
+                w is None or (isinstance(w, numbers.Integral) and not isinstance(w, bool) and 0 <= w <= WINDOW_MAX)
+                for w in window)):
+            raise ValueError(f"AttnSpec.window={window!r} must be a pair (left, right) of ints >= 0 or None for "
+                             f"unbounded; make_spec takes -1 for unbounded")
+
     @property
     def cu_seqlens(self) -> Optional[list[int]]:
         """The documents' boundaries ``[0, end_0, ..., t]``, or None without documents."""
@@ -398,6 +411,17 @@ class Dims:
     d: int
 
 
+def type_name(x) -> str:
+    """``list``, ``numpy.ndarray``: a value's type as an error names it."""
+    kind = type(x)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+
+
+def check_tensor(x, arg: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor, got {type_name(x)}; torch.as_tensor makes one")
+
+
 def check_gqa(h: int, g: int) -> None:
     """The ``h`` query heads share the ``g`` K/V heads in equal groups (GQA/MQA)."""
     if g == 0 or h % g:
@@ -408,8 +432,7 @@ def check_qkv(q, k, v, fmt: QKVFormat) -> Dims:
     """Validate q, k, v (``[b, s, h, d]``, ``[s, b, h, d]`` or ``[t, h, d]``, GQA allowed) and
     return their sizes (``b = 1`` for thd)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        check_tensor(x, name)
         want = 3 if fmt is QKVFormat.THD else 4
         if x.dim() != want:
             raise ValueError(f"{name} must be {want}-D {fmt.layout} for qkv_format={fmt.value!r}, "
@@ -432,6 +455,8 @@ def check_qkv(q, k, v, fmt: QKVFormat) -> Dims:
     if k.shape[3] != d:
         raise ValueError(f"k head dim {k.shape[3]} differs from q head dim {d}")
     g = k.shape[2]
+    if min(h, g) == 0:
+        raise ValueError(f"q, k, v must not be empty, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     check_gqa(h, g)
     if min(b, s_q, k.shape[sd], d) == 0:
         raise ValueError(f"q, k, v must not be empty, got q {tuple(q.shape)} and k {tuple(k.shape)}")
@@ -459,8 +484,11 @@ def check_offset(offset, softmax_type: SoftmaxType, h: int, device) -> None:
             raise ValueError(f"softmax_offset must be None for softmax_type={softmax_type.value!r} ({why}); "
                              f"use softmax_type='learnable' to pass an offset")
         return
+    if offset is None:
+        raise ValueError(f"softmax_type='learnable' needs softmax_offset, a [1, {h}, 1, 1] tensor; got None")
     if not isinstance(offset, torch.Tensor):
-        raise ValueError(f"softmax_type='learnable' needs softmax_offset, a [1, {h}, 1, 1] tensor; got {offset!r}")
+        raise TypeError(f"softmax_offset must be a [1, {h}, 1, 1] torch.Tensor, got {type_name(offset)}; "
+                        f"torch.as_tensor makes one")
     if tuple(offset.shape) != (1, h, 1, 1):
         raise ValueError(f"softmax_offset must have shape [1, {h}, 1, 1] (one logit per query head), "
                          f"got {tuple(offset.shape)}")
@@ -475,9 +503,11 @@ def check_bias(bias, b: int, h: int, s_q: int, s_kv: int, device) -> None:
     """A post-scale additive bias broadcastable as ``[1|b, 1|h, s_q, s_kv]``."""
     if bias is None:
         return
-    if not isinstance(bias, torch.Tensor) or bias.dim() != 4:
-        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-        raise ValueError(f"bias must be a 4-D tensor [1|{b}, 1|{h}, {s_q}, {s_kv}], got {shape}")
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a 4-D torch.Tensor [1|{b}, 1|{h}, {s_q}, {s_kv}], got {type_name(bias)}; "
+                        f"torch.as_tensor makes one")
+    if bias.dim() != 4:
+        raise ValueError(f"bias must be a 4-D tensor [1|{b}, 1|{h}, {s_q}, {s_kv}], got {tuple(bias.shape)}")
     bb, bh, bq, bk = bias.shape
     if bb not in (1, b) or bh not in (1, h) or (bq, bk) != (s_q, s_kv):
         raise ValueError(f"bias shape {tuple(bias.shape)} does not broadcast as [1|{b}, 1|{h}, {s_q}, {s_kv}]")
@@ -565,6 +595,17 @@ def check_heads(h: int, g: int, members: int, world: Optional[int] = None) -> No
                        f"but h={h} and g={g} must both be divisible by {members}; "
                        f"use an a2a size that divides both{also}: {_listing(sizes)}",
                        A2AProblem.HEADS, members=members, world=world, h=h, g=g, sizes=sizes)
+
+
+def plain_a2a(exc: A2AError) -> A2AError:
+    """``check_heads``'s error in the words of comm='a2a', which takes no a2a size: p2p, or a2a+p2p
+    with a smaller a2a group that splits the heads."""
+    w, h, g = exc.world, exc.h, exc.g
+    smaller = [n for n in exc.sizes if 1 < n < w]
+    also = f", or comm='a2a+p2p' with a2a_size={' or '.join(map(str, smaller))}" if smaller else ""
+    return A2AError(f"comm='a2a' splits the heads over the {w} ranks of the group: q has h={h} heads and k, v have "
+                    f"g={g}, but h={h} and g={g} must both be divisible by {w}; use comm='p2p'{also}",
+                    exc.problem, members=exc.members, world=w, h=h, g=g, sizes=exc.sizes)
 
 
 def _listing(sizes) -> str:

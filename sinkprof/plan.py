@@ -31,6 +31,7 @@ pass merges the buffers into the rows' result, folding the sink in under post-me
 from __future__ import annotations
 
 import bisect
+import collections.abc
 import dataclasses
 import functools
 import itertools
@@ -41,7 +42,8 @@ from typing import Optional
 
 import torch
 
-from .options import BALANCED_RUNS, AttnSpec, Band, KVSchedule, PackLayout, check_int, doc_lengths
+from .options import (BALANCED_RUNS, AttnSpec, Band, KVSchedule, PackLayout, check_int, check_tensor, doc_lengths,
+                      type_name)
 
 
 PARTS = 8   # later tiles' results waiting for their merge at most: the forward's memory is PARTS x the rank's o
@@ -550,12 +552,6 @@ def _shards_layout(cu_seqlens, rows: int, cp: int, pack_layout, seq_dim: int) ->
                      f"not cut from it; pass the cu_seqlens and pack_layout used to shard them, one shard per rank")
 
 
-def _check_tensor(x, arg: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        kind = type(x).__name__ if type(x).__module__ == "builtins" else f"{type(x).__module__}.{type(x).__name__}"
-        raise TypeError(f"{arg} must be a torch.Tensor, got {kind}; torch.as_tensor makes one")
-
-
 def _check_dim(dim, x: torch.Tensor, arg: str, name: str) -> int:
     """``dim`` as an int, a dim of ``x`` (negative ones count from the end, as in torch)."""
     dim = check_int(dim, arg, what=" (the sequence dim)")
@@ -603,7 +599,7 @@ def shard(x: torch.Tensor, cp_size: int, rank: int, seq_dim: int, cu_seqlens=Non
     """Rank ``rank``'s load-balanced shard of a full-sequence tensor: chunks r and 2cp-1-r (of
     every document of a thd pack, given ``cu_seqlens``, document after document); with
     ``pack_layout="balanced"`` the pack's rows of ``balanced_layout``."""
-    _check_tensor(x, "x")
+    check_tensor(x, "x")
     cp_size = check_int(cp_size, "cp_size", 1, " (ranks in the CP group)")
     rank = check_int(rank, "rank", what=" (a rank of the CP group)")
     if not 0 <= rank < cp_size:
@@ -620,7 +616,7 @@ def shard(x: torch.Tensor, cp_size: int, rank: int, seq_dim: int, cu_seqlens=Non
 def _check_shards(shards: list, seq_dim) -> int:
     """One shard per rank of one tensor: tensors of one shape, dtype and device; ``seq_dim`` as an int."""
     for rank, part in enumerate(shards):
-        _check_tensor(part, f"shards[{rank}] (the shard of rank {rank})")
+        check_tensor(part, f"shards[{rank}] (the shard of rank {rank})")
     first = shards[0]
     seq_dim = _check_dim(seq_dim, first, "seq_dim", "the shard of rank 0")
     for rank, part in enumerate(shards[1:], 1):
@@ -647,6 +643,9 @@ def _check_shards(shards: list, seq_dim) -> int:
 def unshard(shards, seq_dim: int, cu_seqlens=None, pack_layout="zigzag") -> torch.Tensor:
     """The full sequence (or thd pack, given ``cu_seqlens``) from the shards of ranks 0..cp-1:
     the inverse of ``shard``, given the ``cu_seqlens`` and ``pack_layout`` it was given."""
+    if isinstance(shards, torch.Tensor) or not isinstance(shards, collections.abc.Iterable):
+        raise TypeError(f"shards must be a list of one tensor per rank (rank 0's first), got "
+                        f"{type_name(shards)}; a stacked tensor's shards are list(x.unbind(0))")
     shards = list(shards)
     cp = len(shards)
     if cp == 0:
@@ -678,7 +677,7 @@ def pad_pack(x: torch.Tensor, cu_seqlens, multiple: int, seq_dim: int = 0, value
     (with or without a left window) no real row sees them, so the real rows' output and the
     gradients of the real tokens are exact (give the pad rows a zero output gradient). Under
     ``no_mask`` or a right window real rows would attend to them: pad such packs in the model."""
-    _check_tensor(x, "x")
+    check_tensor(x, "x")
     multiple = check_int(multiple, "multiple", 1, " (2 * cp for a CP layout)")
     seq_dim = _check_dim(seq_dim, x, "seq_dim", "x")
     _check_pad_value(value, x.dtype)

@@ -35,8 +35,9 @@ from typing import Optional
 
 import torch
 
-from .options import (CommType, KVSchedule, PackLayout, a2a_members, accum_dtype, check_a2a_size, check_dtype,
-                      check_gqa, check_heads, check_int, check_runs, make_spec)
+from .options import (A2AError, CommType, KVSchedule, PackLayout, a2a_members, accum_dtype, check_a2a_size, check_dtype,
+                      check_gqa, check_heads, check_int, check_runs, make_spec,
+                      plain_a2a)
 from .plan import RankPlan, as_layout, join_runs, ring_plan, rows_in, spec_layout
 
 PHASE_KINDS = (("fwd", "kv"), ("fwd", "a2a"), ("bwd", "kv"), ("bwd", "dkv"), ("bwd", "a2a"))
@@ -291,8 +292,11 @@ def case_comm(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp:
     spec = make_spec("vanilla", mask, window, "bshd" if cu_seqlens is None else "thd", cu_seqlens, pack_layout)
     comm_type = CommType.parse(comm, "comm")
     members = a2a_members(comm_type, cp, a2a_size if comm_type is CommType.A2A_P2P else None)
-    check_a2a_size(members, cp)
-    check_heads(h, g, members)
+    check_a2a_size(members, cp, h, g)        # as cp_attention checks its own: the sizes offered fit both
+    try:
+        check_heads(h, g, members, world=cp)
+    except A2AError as exc:
+        raise (plain_a2a(exc) if comm_type is CommType.A2A else exc) from None
     ring_size = cp // members
     if spec.docs and sum(spec.docs) != s:
         raise ValueError(f"cu_seqlens ends at {sum(spec.docs)} but s={s}")

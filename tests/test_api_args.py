@@ -70,6 +70,16 @@ def test_unshard_refuses_mixed_dtypes():
         sinkprof.unshard([s0, s1.double()], 1)
 
 
+def test_unshard_refuses_one_tensor_for_the_list_of_shards():
+    """Before: a [2, 8, 2, 4] tensor was taken as two ranks' [8, 2, 4] shards along its batch dim."""
+    stacked = torch.stack([sinkprof.shard(X, 2, r, 1) for r in range(2)])
+    with raises(TypeError, "shards must be a list of one tensor per rank", "got torch.Tensor;", "list(x.unbind(0))"):
+        sinkprof.unshard(stacked[0], 1)
+    with raises(TypeError, "shards must be a list", "got int;"):
+        sinkprof.unshard(3, 1)
+    assert torch.equal(sinkprof.unshard(iter(stacked.unbind(0)), 1), X)
+
+
 def test_unshard_names_the_seq_dim_and_a_shard_that_is_not_a_tensor():
     s0, s1 = (sinkprof.shard(X, 2, r, 1) for r in range(2))
     with raises(ValueError, "seq_dim=5", "out of range", "from -4 to 3"):
@@ -185,6 +195,20 @@ def test_comm_bytes_a2a_rules_are_the_library_checks():
         sinkprof.comm_bytes(**{**CASE, "comm": "a2a+p2p", "a2a_size": 3})
     with pytest.raises(ValueError, match=re.escape("comm='a2a+p2p' needs a2a_size")):
         sinkprof.comm_bytes(**{**CASE, "comm": "a2a+p2p"})
+
+
+@pytest.mark.parametrize("change, parts", [
+    (dict(comm="a2a+p2p", a2a_size=4, h=6, g=6), ("must both be divisible by 4", "divides both and the CP group "
+                                                  "size 4: 1 or 2")),
+    (dict(comm="a2a", h=6, g=3), ("comm='a2a' splits the heads over the 4 ranks", "use comm='p2p'")),
+    (dict(comm="a2a+p2p", a2a_size=3, h=6, g=6), ("a2a_size=3 must divide the CP group size 4",
+                                                  "splits the h=6 query and g=6 K/V heads: 1 or 2")),
+])
+def test_comm_bytes_offers_the_a2a_sizes_cp_attention_offers(change, parts):
+    """Before: sizes that split the heads but not the group (3, 6 at cp 4), an a2a size for comm='a2a'
+    (which takes none), or a size that splits the group but not the heads (4 for 6 heads)."""
+    with raises(A2AError, *parts):
+        sinkprof.comm_bytes(**{**CASE, "cp": 4, **change})
 
 
 def test_comm_bytes_takes_a_dtype_by_name_and_the_sizes_cp_attention_takes():

@@ -134,6 +134,12 @@ def test_k_and_v_unbound_from_a_fused_kv_buffer_are_used_in_place_and_give_the_s
                                            "comm='p2p'"),
     (dict(group=-100), ValueError, "rank 0 is not a member of group: torch.distributed.new_group gave this rank "
                                    "GroupMember.NON_GROUP_MEMBER"),
+    (dict(comm="a2a+p2p", group=(None, None, None)), ValueError,
+     "group=(a2a_group, p2p_group) takes exactly two process groups, got 3"),
+    (dict(comm="a2a+p2p", group=()), ValueError, "takes exactly two process groups, got 0"),
+    (dict(softmax_type="learnable", softmax_offset=[0.0] * 4), TypeError,
+     "softmax_offset must be a [1, 4, 1, 1] torch.Tensor, got list; torch.as_tensor makes one"),
+    (dict(bias=[[0.0]]), TypeError, "bias must be a 4-D torch.Tensor [1|2, 1|4, 16, 16], got list"),
 ])
 def test_mistyped_arguments_and_groups_are_refused_by_name(world, kwargs, error, message):
     """Before: a float window side truncated, strings and bools taken for numbers, a negative
@@ -198,3 +204,34 @@ def test_a_double_backward_raises_naming_cp_attention_and_the_first_order_is_unc
             torch.autograd.grad(grad.pow(2).sum(), wrt)
     with pytest.raises(NotImplementedError, match="cp_attention has no double backward"):
         sum(g.sum() for g in graphed).backward()
+
+
+def test_tensors_made_under_inference_mode_are_taken_as_the_single_device_attention_takes_them(world):
+    """Before: autograd's 'Inference tensors cannot be saved for backward', from inside the ring."""
+    q, k, v, _ = _inputs()
+    with torch.inference_mode():
+        a = torch.randn(1, 4, 1, 1, dtype=torch.float64) * 5
+        bias = torch.randn(1, 4, 16, 16, dtype=torch.float64)
+    mine = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = sinkprof.cp_attention(*mine, a, softmax_type="learnable", mask="causal", bias=bias)
+    expected = sinkprof.attention(*ref, a, softmax_type="learnable", mask="causal", bias=bias)
+    assert torch.allclose(out, expected, atol=1e-13)
+    out.sum().backward()
+    expected.sum().backward()
+    for x, y in zip(mine, ref):
+        assert torch.allclose(x.grad, y.grad, atol=1e-12)
+
+
+@pytest.mark.parametrize("call", ["cp_attention", "attention"])
+def test_no_heads_and_a_numpy_q_are_refused_like_any_other_empty_or_foreign_input(world, call):
+    """Before: zero heads ran and returned an empty output (zero b, s or d were refused); a numpy q
+    was a ValueError where shard and unshard raise TypeError."""
+    q, k, v, _ = _inputs()
+    fn = getattr(sinkprof, call)
+    with pytest.raises(ValueError, match=re.escape("q, k, v must not be empty, got q (2, 16, 0, 8)")):
+        fn(q[:, :, :0], k, v)
+    with pytest.raises(ValueError, match="must not be empty"):
+        fn(q[:, :, :0], k[:, :, :0], v[:, :, :0])
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got numpy.ndarray; torch.as_tensor makes one"):
+        fn(q.numpy(), k, v)

@@ -1,5 +1,6 @@
 """sinkprof.attention against an explicit "extra softmax column" formulation, in fp64."""
 import itertools
+import re
 
 import pytest
 import torch
@@ -250,3 +251,57 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert int(res.stdout.split()[-1]) < 400 * 2 ** 20
+
+
+def _spec_inputs():
+    from sinkprof.options import make_spec
+    from sinkprof.testing import Inputs
+    q, k, v, offset, _, dout = _inputs("bshd", 4, 2)
+    return make_spec("learnable", "causal", (3, 0), "bshd"), Inputs(q, k, v, offset, None, dout)
+
+
+@pytest.mark.parametrize("kw, parts", [
+    (dict(rows=torch.tensor([0, 3, 5])), "rows must be a bool tensor of shape [12], a flag for each query row of "
+                                         "the sequence; got torch.int64 of shape (3,)"),
+    (dict(rows=torch.tensor([True, False])), "rows must be a bool tensor of shape [12]"),
+    (dict(heads=torch.tensor([1])), "heads must be a bool tensor of shape [4], a flag for each query head; got "
+                                    "torch.int64"),
+    (dict(heads=[True] * 4), "heads must be a bool tensor of shape [4], a flag for each query head; got list"),
+])
+def test_the_reference_refuses_rows_or_heads_that_are_not_one_flag_each(kw, parts):
+    """Before: integer rows were read as flags (rows [0, 3, 5] computed rows 1 and 2), a short bool
+    vector computed its rows only, one integer head weighted every head."""
+    from sinkprof.testing import reference
+    spec, x = _spec_inputs()
+    with pytest.raises(ValueError, match=re.escape(parts)):
+        reference(x, spec, **kw)
+
+
+def test_a_spec_built_by_hand_means_what_make_spec_builds():
+    """Before: AttnSpec(mask="causal") ran without a mask, softmax_type="learnable" without the sink
+    (the loops compare enums by identity), and a -1 window side saw nothing."""
+    from sinkprof.options import AttnSpec
+    from sinkprof.testing import reference
+    spec, x = _spec_inputs()
+    by_hand = reference(x, AttnSpec(softmax_type="learnable", mask="causal", window=(3, None)))
+    made = reference(x, spec)
+    for name, t in made.named().items():
+        assert torch.equal(by_hand.named()[name], t), name
+    for window in [(-1, 0), (1,), [1, 0], (True, 0), (1.0, 0)]:
+        with pytest.raises(ValueError, match=re.escape(f"AttnSpec.window={window!r} must be a pair (left, right) "
+                                                       f"of ints >= 0 or None for unbounded; make_spec takes -1")):
+            AttnSpec(window=window)
+    with pytest.raises(ValueError, match=re.escape("AttnSpec.mask='padding' is not supported")):
+        AttnSpec(mask="padding")
+
+
+def test_compare_counts_an_infinity_equal_to_itself_and_no_other_value():
+    """Before: a tensor holding -inf (the lse of a row that sees no key) failed against itself."""
+    from sinkprof.testing import Tolerance, compare
+    tol = Tolerance(1e-6, 1e-6)
+    t = torch.tensor([0.5, float("-inf")], dtype=torch.float64)
+    assert compare(t, t.clone(), tol).passed
+    for other in ([0.5, 0.0], [0.5, float("inf")], [0.5, float("nan")]):
+        assert not compare(torch.tensor(other, dtype=torch.float64), t, tol).passed
+        assert not compare(t, torch.tensor(other, dtype=torch.float64), tol).passed
+    assert not compare(torch.tensor([0.6, float("-inf")], dtype=torch.float64), t, tol).passed
