@@ -258,6 +258,21 @@ def test_bench_refuses_a_trace_it_would_not_write_or_that_is_its_csv(tmp_path):
     assert not (tmp_path / "traces").exists() and not (tmp_path / "same").exists()
 
 
+def test_a_folder_where_a_ranks_trace_file_goes_is_refused_before_any_rank_starts(tmp_path):
+    """Before: exit 0, the rank's trace left as rank1.json.tmp beside the folder (torch's profiler
+    said so in a line of its own); an empty folder was replaced by the trace."""
+    from re import escape
+
+    from sinkprof.tool.bench import check_trace_files
+    trace = tmp_path / "traces"
+    (trace / "rank1.json").mkdir(parents=True)
+    opts = BenchOptions(trace=str(trace))
+    check_trace_files(opts, 1)
+    with pytest.raises(ValueError, match=escape(f"--trace {trace}: {trace}/rank1.json is a folder, where rank 1's "
+                                                   f"trace file goes; move it away or choose another --trace folder")):
+        check_trace_files(opts, 2)
+
+
 def test_a_csv_name_whose_partial_does_not_fit_is_refused_before_any_rank_starts(cli, tmp_path):
     """``FILE.partial`` is 8 bytes longer than ``FILE``: a 252-byte name fit, its .partial did not,
     and rank 0 died with a traceback after the ranks had started (rank 1 then hung in gloo)."""

@@ -66,6 +66,37 @@ def test_new_files_honour_the_umask(tmp_path, umask, mode):
     assert stat.S_IMODE(os.stat(tmp_path / "rows.csv").st_mode) == mode
 
 
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o664])
+def test_a_file_replaced_keeps_its_mode(tmp_path, mode):
+    """Before: the CSV took the umask's mode (0644) where the file it replaced had 0600."""
+    for path in (tmp_path / "rows.csv", tmp_path / "out.json"):
+        path.write_text("old")
+        path.chmod(mode)
+    stream = CsvStream(tmp_path / "rows.csv", COLUMNS)
+    stream.append([{"a": 1, "b": 2}])
+    stream.close()
+    write_text(tmp_path / "out.json", "{}")
+    for path in (tmp_path / "rows.csv", tmp_path / "out.json"):
+        assert stat.S_IMODE(os.stat(path).st_mode) == mode, path
+    assert (tmp_path / "rows.csv").read_text().splitlines() == ["a,b", "1,2"]
+
+
+def test_a_folder_is_no_device_to_write_in_place(tmp_path):
+    """A writer given a folder's name writes a temp file whose rename over the folder fails (before:
+    the folder was handed to the writer as a device is, and torch's profiler, which renames a
+    file of its own over the name, left its trace beside it and went on)."""
+    from sinkprof.tool.output import atomic_path
+    folder = tmp_path / "rank1.json"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError):
+        with atomic_path(folder) as tmp:
+            assert tmp != folder and tmp.parent == tmp_path
+            tmp.write_text("{}")
+    assert folder.is_dir() and not list(folder.iterdir()) and not list(tmp_path.glob(".*tmp*"))
+    with pytest.raises(OutputError, match="rank1.json: Is a directory"):
+        write_text(folder, "{}")
+
+
 def test_dash_is_stdout(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     Output(Format.JSON, "-").emit(doc={"x": 1})

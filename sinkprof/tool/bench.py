@@ -94,11 +94,16 @@ def trace_file(trace: str, rank: int) -> Path:
 
 
 def check_trace_files(opts: BenchOptions, ranks: int) -> None:
-    """The CSV is none of the trace files a run of ``ranks`` writes (the trace would replace it)."""
-    if opts.trace is None or opts.csv in (None, STDOUT):
+    """Each trace file a run of ``ranks`` writes can be: not a folder, and not the CSV (the trace
+    would replace it)."""
+    if opts.trace is None:
         return
     for rank in range(ranks):
-        if same_target(opts.csv, str(trace_file(opts.trace, rank))):
+        path = trace_file(opts.trace, rank)
+        if path.is_dir():
+            raise ValueError(f"--trace {opts.trace}: {path} is a folder, where rank {rank}'s trace file goes; "
+                             f"move it away or choose another --trace folder")
+        if opts.csv not in (None, STDOUT) and same_target(opts.csv, str(path)):
             raise ValueError(f"--csv {opts.csv}: is rank {rank}'s trace file in --trace {opts.trace}; "
                              f"write the CSV elsewhere")
 

@@ -64,8 +64,9 @@ def target(path) -> Path:
 
 
 def _in_place(path: Path) -> bool:
-    """A device, a FIFO or a socket: written as it is, never replaced by a regular file."""
-    return path.exists() and not path.is_file()
+    """A device, a FIFO or a socket: written as it is, never replaced by a regular file (a folder
+    is neither: the rename over it fails, and says so)."""
+    return path.exists() and not path.is_file() and not path.is_dir()
 
 
 class Stdout(str):
@@ -475,6 +476,8 @@ class CsvStream:
         self._file.close()
         if self.renames:
             try:
+                if self.path.exists():   # a file replaced keeps its mode, as atomic_path's do
+                    os.chmod(self.partial, self.path.stat().st_mode & 0o7777)
                 os.replace(self.partial, self.path)
             except OSError as exc:
                 raise OutputError(f"cannot rename {self.partial} to {self.path}: {exc.strerror}; "
