@@ -1,7 +1,9 @@
 """``sinkprof report --chrome-trace``: one Trace Event Format file of every rank, for Perfetto or
 chrome://tracing. Each rank is a process (``pid`` = rank), its compute one thread and each kind of
-exchange (kv, dkv, a2a) one communication thread: exchanges of two kinds overlap in time, and the
-events of one thread must nest. Step 0's compute, where it overlaps the next step's (it ran on a
+exchange (kv, dkv, a2a) a communication thread: exchanges of two kinds overlap in time, and the
+events of one thread must nest. Exchanges of one kind in flight together (the direct schedule posts
+a joined run's messages at once) take further threads of that kind ("communication kv 2", ...),
+each exchange the first whose last one has ended. Step 0's compute, where it overlaps the next step's (it ran on a
 second stream beside it, ``ring.Beside``), is on a thread of its own, "compute beside". Every row
 with start and end times is an ``X`` (complete) event, ``ts`` and ``dur`` in microseconds, an
 exchange's ``args`` with the bytes it sent; an arg the CSV has no value for is left out (JSON has no
@@ -18,9 +20,19 @@ import pandas as pd
 from .report import CASE_KEYS, COMM_KINDS, beside, exposed_spans, label
 
 COMPUTE_TID = 0
-COMM_TIDS = {"kv": 1, "dkv": 2, "a2a": 3}
+COMM_TIDS = {"kv": 1, "dkv": 2, "a2a": 3}   # the first thread of each kind; its n-th (n >= 1) is tid + 10 * n
 BESIDE_TID = 4
 GAP_US = 50.0
+
+
+def _lane(ends: list, ts: float, end: float) -> int:
+    """The first of a rank's threads of one kind (``ends``: when each one's last event ends) free at
+    ``ts``, a new one if none is; it then ends at ``end``."""
+    free = next((n for n, e in enumerate(ends) if e <= ts), len(ends))
+    if free == len(ends):
+        ends.append(end)
+    ends[free] = end
+    return free
 
 
 def _known(args: dict) -> dict:
@@ -36,7 +48,8 @@ def _event(name, cat, pid, tid, ts, dur, args=None) -> dict:
 
 def trace(df: pd.DataFrame) -> dict:
     events: list = []
-    ranks, comm_tids, beside_ranks = set(), set(), set()
+    ranks, beside_ranks = set(), set()
+    lanes: dict = {}   # (rank, kind) -> the end of each of its threads' last event
     t = 0.0
     for case, rows in df.groupby(CASE_KEYS, sort=False):
         rows = rows.dropna(subset=["start_ms", "end_ms"])
@@ -48,7 +61,7 @@ def trace(df: pd.DataFrame) -> dict:
             for rank, mine in its_rows.groupby("rank"):
                 ranks.add(int(rank))
                 computes = {(c["phase"], int(c["step"])): c for _, c in mine[mine["kind"] == "compute"].iterrows()}
-                for _, r in mine.iterrows():
+                for _, r in mine.sort_values("start_ms", kind="stable").iterrows():
                     pred = bool(r["predicted"])
                     suffix = " (predicted)" if pred else ""
                     ts, dur = t + 1e3 * r["start_ms"], 1e3 * (r["end_ms"] - r["start_ms"])
@@ -65,8 +78,8 @@ def trace(df: pd.DataFrame) -> dict:
                         events.append(_event(f"{r['phase']} step {int(r['step'])} compute{suffix}", "compute", rank,
                                              tid, ts, dur, args))
                     elif r["kind"] in COMM_KINDS:
-                        tid = COMM_TIDS[r["kind"]]
-                        comm_tids.add(tid)
+                        tid = COMM_TIDS[r["kind"]] + 10 * _lane(lanes.setdefault((int(rank), r["kind"]), []),
+                                                                 ts, ts + dur)
                         step = "" if int(r["step"]) < 0 else f" step {int(r['step'])}"
                         args.update(overlap_ms=r["overlap_ms"], exposed_ms=r["exposed_ms"])
                         if math.isfinite(r["bytes"]):  # a CSV older than the column has none
@@ -91,10 +104,12 @@ def trace(df: pd.DataFrame) -> dict:
                       "args": {"name": "compute beside"}},
                      {"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": BESIDE_TID,
                       "args": {"sort_index": BESIDE_TID}}]
-        for kind, tid in COMM_TIDS.items():
-            if tid in comm_tids:
+        for kind, first in COMM_TIDS.items():
+            for n in range(len(lanes.get((rank, kind), []))):
+                tid = first + 10 * n
                 meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
-                          "args": {"name": f"communication {kind}"}},
-                         {"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid, "args": {"sort_index": tid}}]
+                          "args": {"name": f"communication {kind}" + (f" {n + 1}" if n else "")}},
+                         {"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid,
+                          "args": {"sort_index": 10 * first + n}}]
     return {"traceEvents": meta + events, "displayTimeUnit": "ms",
             "otherData": {"source": "sinkprof report", "runs": sorted(set(df["run_id"]))}}
