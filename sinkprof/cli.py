@@ -305,14 +305,16 @@ def emulate(
     masks = split_list(mask, "--mask", lambda v, option: v, allowed=[m.value for m in MaskType])
     strategies = split_list(strategy, "--strategy", SinkStrategy.parse, allowed=[x.value for x in SinkStrategy])
     schedules = split_list(kv_schedule, "--kv-schedule", KVSchedule.parse, allowed=[x.value for x in KVSchedule])
-    if kv_schedule.strip() == "all":   # every schedule the layout runs under
-        schedules = [k for k in KVSchedule if k is not KVSchedule.AUTO
-                     and (layout is PackLayout.ZIGZAG or k is KVSchedule.ALLGATHER)]
-    if strategy.strip() == "all" and only_allgather(schedules, layout):   # each row's keys are one tile
+    every = kv_schedule.strip() == "all"
+    if every:   # each case under every schedule its layout runs (emulate.replayed)
+        schedules = [k for k in KVSchedule if k is not KVSchedule.AUTO]
+    gathered = only_allgather(schedules, layout) or (every and layout is PackLayout.BALANCED
+                                                      and set(formats) == {QKVFormat.THD})
+    if strategy.strip() == "all" and gathered:   # each row's keys are one tile
         strategies = [s for s in strategies if s is not SinkStrategy.EVERY_TILE]
     check_writable(output, "--output")
     raise typer.Exit(run(cps, comm, a2a_size, masks, strategies, Shape(batch, seq_len, heads, kv_heads, head_dim),
-                         seed, window, Output(fmt, output), schedules, formats, lengths, layout))
+                         seed, window, Output(fmt, output), schedules, formats, lengths, layout, every))
 
 
 @command()

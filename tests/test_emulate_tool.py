@@ -104,3 +104,27 @@ def test_a_window_is_ascii_digits_as_every_other_number_option(window):
     """int() took "1_0" as 10 and a full-width digit as 4."""
     res = runner.invoke(app, ["emulate", "--cp", "2", "--window", window])
     assert res.exit_code == 2 and "must be a pair LEFT,RIGHT of ints" in res.output, res.output
+
+
+def test_the_balanced_pack_layout_narrows_the_thd_replays_alone():
+    """``--pack-layout balanced`` concerns thd packs: with bshd beside thd, ``--kv-schedule all``
+    (the default) replayed bshd under allgather alone, two rows where zigzag gives eight (ring,
+    direct, allgather, every-tile's bug rows), and said nothing."""
+    import csv
+    import io
+    args = ["emulate", "--cp", "2", "--seqlens", "16,48", "--mask", "causal", "--head-dim", "8", "--format", "csv"]
+    rows = {}
+    for layout in ("zigzag", "balanced"):
+        res = runner.invoke(app, args + ["--qkv-format", "bshd,thd", "--pack-layout", layout])
+        assert res.exit_code == 0, res.output
+        rows[layout] = [(r["qkv_format"], r["kv_schedule"], r["strategy"]) for r in csv.DictReader(io.StringIO(res.stdout))]
+    bshd = [r for r in rows["zigzag"] if r[0] == "bshd"]
+    assert len(bshd) == 8 and [r for r in rows["balanced"] if r[0] == "bshd"] == bshd
+    assert {r[1] for r in rows["balanced"] if r[0] == "thd"} == {"allgather"}
+    assert sorted(r[2] for r in rows["balanced"] if r[0] == "thd") == ["post-merge", "step0"]
+    res = runner.invoke(app, args + ["--qkv-format", "thd", "--pack-layout", "balanced"])
+    assert res.exit_code == 0, res.output
+    assert [r[2] for r in rows["balanced"] if r[0] == "thd"] == [
+        r["strategy"] for r in csv.DictReader(io.StringIO(res.stdout))]
+    assert "--pack-layout balanced (--kv-schedule ring)" in _refused(args[1:] + ["--qkv-format", "bshd,thd", "--pack-layout",
+                                                                             "balanced", "--kv-schedule", "ring"])

@@ -77,7 +77,7 @@ def emulate(cps, masks, strategies, shape: Shape, seed: int, window=None, a2a_si
             spec_layout(spec, fmt_shape.s, cp)
             inputs = make_inputs(fmt_shape, spec, seed)
             ref = reference(inputs, spec)
-            for strategy, kv in itertools.product(strategies, schedules):
+            for strategy, kv in itertools.product(strategies, replayed(spec, schedules)):
                 if strategy is SinkStrategy.EVERY_TILE and not sink_counted_again(spec, fmt_shape.s, cp // (a2a_size or 1),
                                                                                   kv):
                     continue   # each row's keys in one tile (allgather): the bug cannot change a result
@@ -125,7 +125,9 @@ def check_every_tile(strategies, cps, a2a_size: Optional[int], masks, window, fo
     tile: its every-tile rows are left out, and a run of allgather alone is refused."""
     if SinkStrategy.EVERY_TILE not in strategies:
         return
-    if only_allgather(schedules, pack_layout):
+    specs = {(fmt, mask): replay_spec(QKVFormat.parse(fmt, "--qkv-format"), mask, window, docs, pack_layout)
+             for fmt, mask in itertools.product(formats, masks)}
+    if all(only_allgather(replayed(spec, schedules), spec.pack_layout) for spec in specs.values()):
         fix = ("add ring or direct to --kv-schedule" if pack_layout is PackLayout.ZIGZAG else
                "the balanced pack layout runs under allgather alone")
         raise ValueError(f"--strategy every-tile: --kv-schedule allgather gives each row's keys one tile, so the bug "
@@ -134,9 +136,10 @@ def check_every_tile(strategies, cps, a2a_size: Optional[int], masks, window, fo
     members = a2a_size or 1
     for fmt, mask, cp in itertools.product(formats, masks, cps):
         ring = cp // members
-        spec = replay_spec(QKVFormat.parse(fmt, "--qkv-format"), mask, window, docs, pack_layout)
-        if any(sink_counted_again(spec, s, ring, k) for k in schedules):
-            continue
+        spec = specs[fmt, mask]
+        kinds = replayed(spec, schedules)
+        if only_allgather(kinds, spec.pack_layout) or any(sink_counted_again(spec, s, ring, k) for k in kinds):
+            continue   # (allgather's every-tile rows are left out)
         skip = "or leave every-tile out (--strategy step0,post-merge)"
         if ring == 1:
             where = (f"--cp {cp} with --comm a2a+p2p --a2a-size {a2a_size} runs a p2p ring of one rank (cp / a2a-size)"
@@ -170,6 +173,15 @@ def check_heads_and_groups(shape: Shape, cps, members: Optional[int]) -> None:
                "use --comm p2p (no --a2a-size above 1 divides both and every --cp)")
         raise ValueError(f"--comm a2a+p2p --a2a-size {members} splits the heads over each a2a group: --heads "
                          f"{shape.h} and --kv-heads {shape.g} must both be divisible by {members}; {fix}") from None
+
+
+def replayed(spec: AttnSpec, schedules) -> list:
+    """The schedules of ``schedules`` that ``spec`` replays under: a pack in the balanced layout
+    under allgather alone (``auto`` takes it; its pieces of a document sit on a few ranks), any
+    other layout under each."""
+    if spec.pack_layout is PackLayout.BALANCED:
+        return [k for k in schedules if k in (KVSchedule.AUTO, KVSchedule.ALLGATHER)]
+    return list(schedules)
 
 
 def only_allgather(schedules, pack_layout: PackLayout) -> bool:
@@ -222,23 +234,26 @@ def pack(formats, cps, *, seq_len: Optional[int], seqlens: Optional[tuple], docs
 
 def run(cps, comm: str, a2a_size: Optional[int], masks, strategies, shape: Shape, seed: int, window: Optional[str],
         output: Output, schedules=(KVSchedule.AUTO,), formats=(QKVFormat.BSHD,), docs: tuple = (),
-        pack_layout=PackLayout.ZIGZAG) -> int:
+        pack_layout=PackLayout.ZIGZAG, every_schedule: bool = False) -> int:
     """The command: every option checked and the replay's memory estimated before the first tensor,
     then replay, compare, write the rows; 0 when every row is as expected. ``window`` is the
-    ``LEFT,RIGHT`` text of ``--window``; ``docs`` the thd pack (``pack``) in ``pack_layout``."""
+    ``LEFT,RIGHT`` text of ``--window``; ``docs`` the thd pack (``pack``) in ``pack_layout``.
+    ``every_schedule``: ``schedules`` is ``--kv-schedule all``, each case replayed under every one
+    its layout runs (``replayed``), where a schedule named is one every case must run."""
     pair = None if window is None else window_pair(window, "--window")
     if comm not in ("p2p", "a2a+p2p"):
         raise ValueError(f"--comm {comm!r}: emulate replays p2p or a2a+p2p")
     if a2a_size is not None and comm != "a2a+p2p":
         raise ValueError(f"--a2a-size {a2a_size} with --comm {comm}: only a2a+p2p reads it; use --comm a2a+p2p, "
                          f"or drop --a2a-size")
-    check_pack_layout(pack_layout, formats, comm, schedules)
+    check_pack_layout(pack_layout, formats, comm, () if every_schedule else schedules)
     members = (a2a_size or DEFAULT_A2A_SIZE) if comm == "a2a+p2p" else None
     check_heads_and_groups(shape, cps, members)
     check_window(pair, masks)
     specs = [replay_spec(QKVFormat.parse(fmt, "--qkv-format"), mask, pair, docs, pack_layout)
              for fmt, mask in itertools.product(formats, masks)]
-    check_replay_memory(shape, specs, cps, members or 1, schedules)   # before the first tensor
+    for spec in specs:   # before the first tensor
+        check_replay_memory(shape, [spec], cps, members or 1, replayed(spec, schedules))
     check_every_tile(strategies, cps, members, masks, pair, formats, shape.s, docs, schedules, pack_layout)
     rows = emulate(cps, masks, strategies, shape, seed, pair, members, schedules, formats, docs, pack_layout)
     ok = all(r.ok for r in rows)
