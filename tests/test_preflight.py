@@ -70,6 +70,12 @@ def _refused(args, message, started):
     (["check", "--a2a-size", "4"], "--a2a-size 4: no case of this run is --comm a2a+p2p, the only one that reads it; "
                                    "add a2a+p2p to --comm, or drop --a2a-size"),
     (["bench", "--comm", "p2p,a2a", "--a2a-size", "2"], "--a2a-size 2: no case of this run is --comm a2a+p2p"),
+    (["check", "--softmax", "vanilla", "--sink-strategy", "post-merge"],
+     "--sink-strategy post-merge: no case of this run has a sink (--softmax vanilla), the only cases it applies to; "
+     "add off-by-one or learnable to --softmax, or drop --sink-strategy"),
+    (["bench", "--softmax", "vanilla", "--sink-grad", "partial"],
+     "--sink-grad partial: no case of this run has a replicated gradient (a sink, or --bias on bshd or sbhd; here "
+     "--softmax vanilla), the only cases it applies to"),
     (["emulate", "--cp", "2", "--a2a-size", "4"], "--a2a-size 4 with --comm p2p: only a2a+p2p reads it"),
     (["bench", "--inject", "stall", "--iters", "1"], "--inject stall --iters 1: the fault stops rank 1 in the second "
                                                      "measured iteration, which this run has not; use --iters 2"),

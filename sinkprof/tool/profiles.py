@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..options import CommType
-from .cases import CaseOptions, Settings, check_pack_layer, list_value, merge_layers
+from .cases import CaseOptions, Settings, check_pack_layer, expand, list_value, merge_layers
 from .launcher import torchrun_env
 from .output import STDOUT, Output, same_target
 from .preflight import check_dist_backend
@@ -203,6 +203,16 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
     if options.a2a_size is not None and not any("a2a+p2p" in g.comm for g in groups):
         raise ValueError(f"--a2a-size {options.a2a_size}: no case of this run is --comm a2a+p2p, the only one that "
                          f"reads it; add a2a+p2p to --comm, or drop --a2a-size")
+    cases = [case for g in groups for case in expand(g)]
+    softmax = ",".join(dict.fromkeys(s for g in groups for s in g.softmax))
+    if options.sink_strategy is not None and not any(case.softmax.has_sink for case in cases):
+        raise ValueError(f"--sink-strategy {options.sink_strategy}: no case of this run has a sink (--softmax "
+                         f"{softmax}), the only cases it applies to; add off-by-one or learnable to --softmax, or "
+                         f"drop --sink-strategy")
+    if options.sink_grad is not None and not any(case.has_grad_contract for case in cases):
+        raise ValueError(f"--sink-grad {options.sink_grad}: no case of this run has a replicated gradient (a sink, or "
+                         f"--bias on bshd or sbhd; here --softmax {softmax}), the only cases it applies to; add "
+                         f"off-by-one or learnable to --softmax, or drop --sink-grad")
     if options.batch not in (None, 1) and all(set(g.qkv_format) == {"thd"} for g in groups):
         raise ValueError(f"--batch {options.batch}: a thd pack is one sequence of documents, its cases run with "
                          f"b = 1; drop --batch, or add bshd or sbhd to --qkv-format (their cases take it)")
