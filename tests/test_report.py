@@ -3,7 +3,10 @@ timelines and the summary figure, the self-contained HTML page, the Chrome trace
 that are not bench CSVs, older CSVs, Rich markup in cells, git_sha as text, predicted rows, and
 (marked `browser`) the page as a real headless Chromium renders it."""
 import base64
+import bz2
+import gzip
 import json
+import lzma
 import os
 import re
 import shutil
@@ -244,6 +247,17 @@ def test_chrome_trace_has_every_rank_as_a_process_with_compute_and_communication
      b"r,0,0,fwd,18446744073709551615,iteration,5\n", "column step of data row 2 is 18446744073709551615, outside"),
     (b"run_id,rank,iteration,phase,step,kind,dur_ms\nr,0,0,fwd,1_0,compute,1\n",
      "column step of data row 1 is '1_0', not a whole number"),
+    # a column named twice: pandas read the second as dur_ms.1, and the report used the first, exit 0
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms,dur_ms\nr,0,0,fwd,0,compute,1,100\n",
+     "the header names column dur_ms 2 times; a bench CSV names each column once"),
+    # finite, but past what any run has: TFLOP/s and the trace's microseconds overflowed (a matplotlib
+    # traceback, exit 1; JSON's "Out of range float values", naming no file)
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms,flops\nr,0,0,fwd,0,compute,1,1e308\n",
+     "column flops of data row 1 is 1e+308, above its most value 1e+30"),
+    (b"run_id,rank,iteration,phase,step,kind,dur_ms,start_ms,end_ms\nr,0,0,fwd,0,compute,1,0,1e306\n",
+     "column end_ms of data row 1 is 1e+306, above its most value 1e+13"),
+    (gzip.compress(b"run_id,rank,iteration,phase,step,kind,dur_ms\n")[:20],
+     "a gzip file that cannot be decompressed"),
 ])
 def test_report_refuses_what_is_not_a_bench_csv_naming_the_file(tmp_path, content, says):
     bad = tmp_path / "not-bench.csv"
@@ -252,6 +266,14 @@ def test_report_refuses_what_is_not_a_bench_csv_naming_the_file(tmp_path, conten
     assert res.exit_code == 2
     message = " ".join(res.stderr.split())
     assert str(bad) in message and says in message
+
+
+@pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress)])
+def test_a_compressed_csv_reads_as_pandas_reads_it(csvs, tmp_path, suffix, compress):
+    """Before: "a binary file, not a sinkprof bench CSV", where pandas.read_csv reads it."""
+    packed = tmp_path / f"bench.csv{suffix}"
+    packed.write_bytes(compress(Path(csvs[0]).read_bytes()))
+    assert load([packed]).equals(load([csvs[0]]))
 
 
 def test_report_reads_a_csv_of_an_older_version(csvs, tmp_path):

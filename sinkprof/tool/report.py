@@ -13,13 +13,17 @@ drawn from the same loaded frame.
 """
 from __future__ import annotations
 
+import bz2
 import csv
+import gzip
 import hashlib
 import io
+import lzma
 import os
 import re
 import stat
 import sys
+import zlib
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -75,6 +79,14 @@ CHOICES = {
     "pack_layout": tuple(p.value for p in PackLayout) + ("",),
     "backend": tuple(b.value for b in Backend if b is not Backend.AUTO),
 }
+# The most of each number column: a time longer than three centuries, or a count or size that no
+# run reaches, is a cell written wrong; the numbers derived from them (TFLOP/s, microseconds on the
+# trace's axis) would overflow to infinities that no picture or JSON can hold.
+MOST = (("dur_ms", 1e13), ("start_ms", 1e13), ("end_ms", 1e13), ("overlap_ms", 1e13), ("exposed_ms", 1e13),
+        ("flops", 1e30), ("bytes", 1e30))
+# The compressed files pandas reads by their suffix, known here by their first bytes.
+COMPRESSED = {b"\x1f\x8b": ("gzip", gzip.decompress), b"BZh": ("bzip2", bz2.decompress),
+              b"\xfd7zXZ\x00": ("xz", lzma.decompress)}
 # What makes a row one span: its case, rank, iteration, phase, step and kind, and its start (an a2a
 # step sends several messages) and duration (which tells them apart in a CSV without start_ms).
 SPAN_KEYS = CASE_KEYS + ["rank", "iteration", "phase", "step", "kind", "start_ms", "dur_ms"]
@@ -99,6 +111,13 @@ def _read_one(path) -> pd.DataFrame:
         data = p.read_bytes()   # once: a pipe (<(...)) cannot be read again
     except OSError as exc:   # a folder that cannot be entered, a file that cannot be read
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    for magic, (kind, decompress) in COMPRESSED.items():
+        if data.startswith(magic):   # read as pandas reads FILE.csv.gz
+            try:
+                data = decompress(data)
+            except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error) as exc:
+                raise ValueError(f"{path}: a {kind} file that cannot be decompressed ({exc})") from None
+            break
     if not data.strip():
         raise ValueError(f"{path}: empty file, not a sinkprof bench CSV "
                          f"(it needs the columns {', '.join(REQUIRED_COLUMNS)})")
@@ -107,9 +126,15 @@ def _read_one(path) -> pd.DataFrame:
     try:
         df = pd.read_csv(io.BytesIO(data), keep_default_na=False, na_values=[""],
                          dtype={c: str for c in TEXT_COLUMNS + INT_COLUMNS + BOOL_COLUMNS})
-        short = _short_row(data.decode())
+        text = data.decode()
+        short = _short_row(text)
+        header = next(csv.reader(io.StringIO(text)), [])
     except (UnicodeDecodeError, csv.Error, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise ValueError(f"{path}: not a sinkprof bench CSV ({str(exc).splitlines()[0]})") from None
+    repeated = next((name for name in header if header.count(name) > 1), None)
+    if repeated is not None:   # pandas would read the second as "NAME.1", and nothing would read it
+        raise ValueError(f"{path}: the header names column {repeated} {header.count(repeated)} times; a bench CSV "
+                         f"names each column once")
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"{path}: not a sinkprof bench CSV: missing columns {', '.join(missing)} "
@@ -146,6 +171,11 @@ def _read_one(path) -> pd.DataFrame:
             row = int((df[col] < least).to_numpy().nonzero()[0][0])
             cell = written[col].iloc[row].strip() if col in written else f"{df[col].iloc[row]:g}"
             raise ValueError(f"{path}: column {col} of data row {row + 1} is {cell}, below its least value {least}")
+    for col, most in MOST:
+        if col in df.columns and (df[col] > most).any():
+            row = int((df[col] > most).to_numpy().nonzero()[0][0])
+            raise ValueError(f"{path}: column {col} of data row {row + 1} is {df[col].iloc[row]:g}, above its most "
+                             f"value {most:g}")
     if "cp" in df.columns and (df["rank"] >= df["cp"]).any():
         row = int((df["rank"] >= df["cp"]).to_numpy().nonzero()[0][0])
         cp = df["cp"].iloc[row]
