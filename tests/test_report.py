@@ -178,6 +178,23 @@ def test_html_is_self_contained_and_embeds_every_picture(written):
     assert f"id='{SLUG}'" in text and "exposed ms" in text
 
 
+def test_html_names_where_each_run_ran_when_the_runs_differ(csvs, tmp_path):
+    """Before: the first row's device, torch and commit headed a page of runs from other machines."""
+    other = tmp_path / "other.csv"
+    df = pd.read_csv(csvs[0])
+    df["run_id"], df["device_name"], df["torch"], df["git_sha"] = "20261208-999999-abcdef", "NVIDIA H200", "2.11", "f00"
+    df.to_csv(other, index=False)
+    mine = pd.read_csv(csvs[0]).iloc[0]
+    for inputs, want in (((csvs[0],), f"runs {mine['run_id']}; device {mine['device_name']}, torch {mine['torch']}"),
+                         ((csvs[0], other), f"runs {mine['run_id']}: device {mine['device_name']}, torch "
+                                            f"{mine['torch']}, sinkprof {mine['sinkprof']} (git {mine['git_sha']}); "
+                                            f"20261208-999999-abcdef: device NVIDIA H200, torch 2.11, sinkprof "
+                                            f"{mine['sinkprof']} (git f00)")):
+        res = _report(*inputs, "--html", "-")
+        assert res.exit_code == 0, res.output
+        assert want in res.stdout
+
+
 def test_html_to_stdout_leaves_the_tables_out(csvs):
     res = _report(csvs[0], "--html", "-")
     assert res.exit_code == 0, res.output

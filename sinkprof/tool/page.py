@@ -49,16 +49,23 @@ def _hidden(s) -> str:
     return f'<span class="exposed">exposed {100 * share:.0f}%</span>'
 
 
+def _runs(df: pd.DataFrame) -> str:
+    """The runs and where each ran (device, torch, sinkprof and its commit): said once when every
+    run ran alike, else run by run."""
+    where = {run: f"device {r['device_name']}, torch {r['torch']}, sinkprof {r['sinkprof']} (git {r['git_sha']})"
+             for run, r in df.groupby("run_id", sort=True).first().iterrows()}
+    if len(set(where.values())) == 1:
+        return f"runs {', '.join(where)}; {next(iter(where.values()))}"
+    return "runs " + "; ".join(f"{run}: {text}" for run, text in where.items())
+
+
 def page(df: pd.DataFrame, pictures: Pictures, sources: list) -> str:
     its, steps, ranks = iteration_table(df), step_table(df), rank_table(df)
-    meta = df.iloc[0]
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>sinkprof report</title>"
              f"<style>{STYLE}</style></head><body>",
              "<h1>sinkprof report</h1>",
-             f"<p class=meta>{escape(', '.join(sources))}: {len(df)} rows, runs "
-             f"{escape(', '.join(sorted(set(df['run_id']))))}; device {escape(str(meta['device_name']))}, "
-             f"torch {escape(str(meta['torch']))}, sinkprof {escape(str(meta['sinkprof']))} "
-             f"(git {escape(str(meta['git_sha']))}); written {datetime.datetime.now():%Y-%m-%d %H:%M}</p>",
+             f"<p class=meta>{escape(', '.join(sources))}: {len(df)} rows, {escape(_runs(df))}; "
+             f"written {datetime.datetime.now():%Y-%m-%d %H:%M}</p>",
              "<p>Timelines: one iteration of every rank, a lane for compute and one for communication; "
              "each ring step is a bar with its number on it. <span class=hidden>Green</span> communication "
              "ran under its step's compute (hidden), <span class=exposed>red</span> communication was "
