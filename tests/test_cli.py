@@ -134,6 +134,22 @@ def test_doctor_on_the_cpu_says_why_cudnn_and_the_fused_kernels_cannot_run(cli):
     assert torch_cells and all(c["ok"] for c in torch_cells)
 
 
+def test_doctor_prints_its_reasons_and_environment_as_text_not_markup():
+    """Before: rich read "[gpu]" in "pip install 'sinkprof[gpu]'" as markup and dropped it."""
+    import io
+
+    from rich.console import Console
+
+    from sinkprof.tool.doctor import Cell, Report, render
+    reason = "flash-attn-4 is not importable; pip install 'sinkprof[gpu]'"
+    out = io.StringIO()
+    render(Report({"device": "cuda", "extras": "[gpu] [red]"},
+                  [Cell(comm, "learnable", "fa4", "bf16", "bshd", False, reason) for comm in ("p2p", "a2a", "a2a+p2p")]),
+           Console(file=out, width=200))
+    text = out.getvalue()
+    assert f"(1) {reason}" in text and "[gpu] [red]" in text and "(2)" not in text
+
+
 def _sinkprof_options():
     """(command, option) for every option of every command, as click sees them."""
     import typer.main

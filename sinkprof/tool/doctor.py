@@ -171,10 +171,11 @@ def run(device: Optional[str], output: Output) -> None:
 
 
 def render(report: Report, console) -> None:
+    from rich.markup import escape
     from rich.table import Table
     env = Table(title="environment", show_header=False)
-    for k, v in report.environment.items():
-        env.add_row(k, str(v))
+    for k, v in report.environment.items():   # text, not markup: "pip install 'sinkprof[gpu]'" keeps its [gpu]
+        env.add_row(k, escape(str(v)))
     console.print(env)
     reasons: list[str] = []
     rows: dict = {}
@@ -193,4 +194,4 @@ def render(report: Report, console) -> None:
         table.add_row(*key, *(cells[c.value] for c in CommType))
     console.print(table)
     for i, r in enumerate(reasons, 1):
-        console.print(f"({i}) {r}")
+        console.print(f"({i}) {escape(r)}")
