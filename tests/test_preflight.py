@@ -295,6 +295,10 @@ def test_profiles_name_prints_its_text_as_written_and_refuses_a_profile_check_wo
     res = runner.invoke(app, ["profiles", "markup"])
     assert res.exit_code == 2 and f"SINKPROF_PROFILES names {tmp_path / 'markup.toml'}, not a folder of profiles" \
         in " ".join(res.output.split())
+    res = runner.invoke(app, ["profiles"])   # before: the shipped profiles alone, and not a word of the file
+    assert res.exit_code == 0 and "cpu-default" in res.stdout and "markup" not in res.stdout, res.output
+    assert (f"sinkprof profiles: note: SINKPROF_PROFILES names {tmp_path / 'markup.toml'}, not a folder of profiles "
+            f"(it takes folders, separated by ':'; a profile file is run as --profile PATH)") in " ".join(res.stderr.split())
 
 def test_a_profile_path_that_is_a_symlink_loop_or_dangling_says_so(no_launch, tmp_path):
     """Both read ``no such file``, though ``ls`` lists the name."""

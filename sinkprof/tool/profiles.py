@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import stat
+import sys
 import tomllib
 from importlib import resources
 from dataclasses import dataclass
@@ -51,6 +52,14 @@ def profile_dirs() -> list[Path]:
     dirs = [Path(p) for p in os.environ.get("SINKPROF_PROFILES", "").split(os.pathsep) if p]
     dirs.append(Path(str(resources.files("sinkprof").joinpath("profiles"))))   # shipped in the wheel
     return dirs
+
+
+def not_folders() -> str:
+    """What the user should hear of ``SINKPROF_PROFILES`` entries that are not folders (a profile
+    file named there is not read), or ""."""
+    wrong = [str(d) for d in profile_dirs() if not d.is_dir()]
+    return (f"SINKPROF_PROFILES names {', '.join(wrong)}, not a folder of profiles (it takes folders, separated "
+            f"by {os.pathsep!r}; a profile file is run as --profile PATH)") if wrong else ""
 
 
 def _expected(key: str, value) -> Optional[str]:
@@ -161,9 +170,7 @@ def locate(name: str, option: str = "--profile") -> Path:
         return path
     known = available()
     if name not in known:
-        not_folders = [str(d) for d in profile_dirs() if not d.is_dir()]
-        hint = (f"; SINKPROF_PROFILES names {', '.join(not_folders)}, not a folder of profiles" if not_folders
-                else "")
+        hint = f"; {not_folders()}" if not_folders() else ""
         raise ValueError(f"{option} {name!r} is unknown; available: {', '.join(known) or 'none'} "
                          f"(or pass a path to a .toml file){hint}")
     return known[name]
@@ -288,6 +295,8 @@ def show(name: Optional[str], output: Output) -> None:
             console.print(f"group {i + 1}: " + escape(", ".join(f"{k}={v}" for k, v in
                                                               dataclasses.asdict(settings).items())))
 
+    if name is None and not_folders():
+        print(f"sinkprof profiles: note: {not_folders()}", file=sys.stderr)
     prof = None if name is None else find(name, "sinkprof profiles")
     groups = [] if prof is None else prof.resolve({})
     for i, settings in enumerate(groups):
