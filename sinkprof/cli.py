@@ -100,8 +100,8 @@ CASE_OPTIONS = [
     _option("seq_len", Optional[int], None, "--seq-len", help="Full sequence length (divisible by 2 * cp); "
                                                                "thd: the pack's length."),
     _option("seqlens", Optional[str], None, "--seqlens",
-            help="thd: the documents' lengths, e.g. 96,160,256, each a multiple of 2 * cp; their sum is the "
-                 "pack (it sets --seq-len)."),
+            help="thd: the documents' lengths, e.g. 96,160,256, each a multiple of 2 * cp (even, under "
+                 "--pack-layout balanced); their sum is the pack (it sets --seq-len)."),
     _option("docs", Optional[int], None, "--docs",
             help="thd: this many documents of random lengths from --seed (each a multiple of 2 * cp), summing "
                  "to --seq-len."),

@@ -4,8 +4,8 @@ The loops here know nothing about communication: they ask a ``KVSource`` for the
 step and a ``DKVSink`` for where that step's dK/dV go. The distributed ring hands them the
 messages of its communication schedule (``sinkprof.schedule``): double-buffered neighbour
 exchanges of whole shards (``RingKV``, ``RingDKV``), the rows each step reads straight from
-their owner (``DirectKV``, ``DirectDKV``), or every shard gathered for one step over the whole
-sequence (``GatherKV``, ``GatherDKV``); the fp64 emulator hands them indexing into every
+their owner (``DirectKV``, ``DirectDKV``), or the rows of every shard the rank's tiles read,
+gathered for one step (``GatherKV``, ``GatherDKV``); the fp64 emulator hands them indexing into every
 rank's shards that exposes only what the schedule sends (``LocalKV``, ``LocalDKV``). All of them
 therefore execute literally the same plan.
 

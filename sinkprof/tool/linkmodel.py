@@ -11,7 +11,7 @@ latency ``L`` once::
     T = max(L * max_peer(messages sent to the peer) + bytes sent / B,
             L * max_peer(messages received from it) + bytes received / B)
 
-With one message each way (every K/V and dK/dV exchange of both schedules), ``T = L + max(sent,
+With one message each way (every K/V and dK/dV exchange of the ring and direct schedules), ``T = L + max(sent,
 received) / B``. No contention: the K/V and the dK/dV exchanges in flight in one backward step are
 timed apart, and nothing else shares the link. NCCL's use of a few SMs is ignored (the compute
 measured here ran alone on the device).
@@ -19,8 +19,8 @@ measured here ran alone on the device).
 **Overlap, as the ring runs it** (``ring.RingKV``/``DirectKV``, ``RingDKV``/``DirectDKV``): the
 K/V message labelled step i is posted as step i starts and waited before step i+1 computes; the
 dK/dV message of step i is posted after step i computed (and after dK/dV of step i-1 arrived) and
-waited after step i+1 computed; the last one is waited after the last step. Both schedules time
-dK/dV so (the ring forwards them one hop, direct sends them straight to the owner: other peers and
+waited after step i+1 computed; the last one is waited after the last step. The ring and direct
+schedules time dK/dV so (the ring forwards them one hop, direct sends them straight to the owner: other peers and
 bytes, the same timing). Per rank, with the measured compute of step i at ``[a_i, b_i]`` and every
 later moment shifted by the stalls so far::
 
