@@ -207,11 +207,12 @@ def _capture(device: torch.device, trace: Optional[str], rank: int):
 
 
 def _progress(enabled: bool):
-    """A progress bar on rank 0 when stderr is a terminal; nothing elsewhere."""
+    """A progress bar on rank 0, on stderr when it is a terminal; nothing elsewhere (stdout may be the CSV)."""
     if not enabled:
         return contextlib.nullcontext(None)
+    from rich.console import Console
     from rich.progress import Progress
-    return Progress(transient=True, disable=not sys.stderr.isatty())
+    return Progress(transient=True, console=Console(stderr=True), disable=not sys.stderr.isatty())
 
 
 def _run_iterations(phase: str, iters: int, warmup: int, probe, fwd, bwd, rows_of, on_rows, progress=None,

@@ -326,8 +326,13 @@ def _rank_main(job: Callable, args, device: str, backend: str, timeout: float, r
     except Disagreement as exc:
         _end(str(exc), EXIT_USAGE)
     except SystemExit as exc:   # rich ends a write to a closed pipe so (its stdout now /dev/null)
+        _pipe_closed()
         _end("", exc.code if isinstance(exc.code, int) else EXIT_FAILED)
     except Exception as exc:
+        if isinstance(exc, BrokenPipeError):
+            _pipe_closed()
+        elif _pipe_was_closed():   # a peer's exchange with the rank that ended so: nothing to say either
+            _end("", EXIT_FAILED)
         # the options were checked before the ranks started: a ValueError here is a bug, and shows
         known = None if isinstance(exc, ValueError) else describe(exc)
         if known is None:
@@ -343,6 +348,25 @@ def _rank_main(job: Callable, args, device: str, backend: str, timeout: float, r
     finally:
         dog.stop()
     return code
+
+
+def _quiet_marker() -> Optional[str]:
+    """A file beside the self-launched ranks' store that says the reader of stdout went away."""
+    return os.environ[STORE_ENV] + ".pipe-closed" if STORE_ENV in os.environ else None
+
+
+def _pipe_closed() -> None:
+    """This rank's stdout lost its reader (``bench --csv - | head``): it ends quietly, and so do the
+    peers whose exchanges with it then fail, and the launcher, which reads the marker."""
+    marker = _quiet_marker()
+    if marker is not None:
+        with contextlib.suppress(OSError):
+            open(marker, "w").close()
+
+
+def _pipe_was_closed() -> bool:
+    marker = _quiet_marker()
+    return marker is not None and os.path.exists(marker)
 
 
 def _end(text: str, code: int) -> NoReturn:
@@ -510,6 +534,7 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
                     raise StartError(f"rank {r} of {nproc} could not be started: {what}"
                                      + ("; the ranks started before it were stopped" if r else "")) from None
             stopped = _supervise(procs, run_timeout)
+            quiet = os.path.exists(store + ".pipe-closed")   # (_pipe_closed): the ranks stopped say nothing either
     except _Stop as stop:   # (``stops`` disarmed itself: a second signal cannot end the stopping half-way)
         stopped = _stop_all([p for p in procs if p.pid is not None], stop.signum)
         name = signal.Signals(stop.signum).name
@@ -528,7 +553,7 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     if stops.late:   # the ranks ended, and a signal came as the handlers were being restored: the caller's now
         signal.raise_signal(stops.late[0])
-    if stopped:
+    if stopped and not quiet:
         print(f"sinkprof: stopped rank(s) {', '.join(map(str, stopped))}, still running after the run failed",
               file=sys.stderr)
     own = {}   # the exit codes of the ranks that ended by themselves

@@ -440,6 +440,10 @@ class CsvStream:
                 if os.fstat(self._file.fileno()).st_nlink == 0:
                     raise FileNotFoundError(2, f"{self.partial} was removed")
                 self._whole = (self._file.tell(), len(self._written))   # the file ends after a whole row
+        except BrokenPipeError:
+            if self._file is sys.stdout:   # the reader of stdout went away (| head): ended quietly, as any command is
+                raise
+            self._rescue(BrokenPipeError())
         except OSError as exc:
             self._rescue(exc)
 
