@@ -192,3 +192,18 @@ def test_check_on_a_terminal_shows_progress_and_in_a_pipe_does_not(cli, tmp_path
     piped = cli(*args)
     assert piped.returncode == 0, piped.stdout + piped.stderr
     assert piped.stderr == "" and "2/2" not in piped.stdout and "2 passed, 0 failed" in piped.stdout
+
+
+def test_bench_on_a_terminal_draws_its_progress_on_stderr_and_leaves_a_csv_on_stdout_whole(tmp_path):
+    """Before: the bar went to stdout, which the CSV took (``--csv - > file``): a blank line in the
+    CSV at every case, and no bar on the terminal."""
+    csv = tmp_path / "bench.csv"
+    args = [sys.executable, "-m", "sinkprof", "bench", "--softmax", "vanilla", "--mask", "causal,no_mask", "--dtype",
+            "fp64", "--iters", "2", "--warmup", "0", "--seq-len", "64", "--heads", "2", "--head-dim", "8", "--csv", "-"]
+    command = " ".join(shlex.quote(a) for a in args) + f" > {shlex.quote(str(csv))}"
+    res = subprocess.run(["script", "-qec", command, str(tmp_path / "tty.log")], capture_output=True, text=True,
+                         timeout=240, env={**os.environ, "COLUMNS": "80", "LINES": "24", "TERM": "xterm"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = csv.read_text().splitlines()
+    assert lines[0].startswith("run_id,") and len(lines) > 10 and all(line.strip() for line in lines)
+    assert all(line.count(",") == lines[0].count(",") for line in lines if '"' not in line)
