@@ -333,3 +333,37 @@ def test_a_profile_that_cannot_be_read_says_what_to_do(tmp_path, monkeypatch):
         res = CliRunner().invoke(app, ["bench", "--profile", str(profile), "--iters", "1", "--warmup", "0"])
         assert res.exit_code == 2, res.output
         assert says in " ".join(res.stderr.split())
+
+
+@pytest.mark.parametrize("signum", [2, 15])
+def test_a_run_stopped_by_a_signal_says_where_its_rows_are_and_leaves_them_whole(tmp_path, signum):
+    """Before: "stopped by SIGINT; ended rank(s) 0, 1" alone, the finished cases' rows in
+    FILE.partial unmentioned (a crash, by contrast, said where they were)."""
+    import csv
+    import os
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "b.csv"
+    partial = tmp_path / "b.csv.partial"
+    proc = subprocess.Popen([sys.executable, "-m", "sinkprof", "bench", "--comm", "a2a,p2p", "--softmax", "learnable",
+                             "--mask", "causal", "--dtype", "fp64", "--inject", "stall", "--timeout", "60", "--iters",
+                             "3", "--warmup", "0", "--csv", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120   # the a2a case (no ring) finishes; the p2p one stalls
+        while time.monotonic() < deadline and not (partial.exists() and "p2p" in partial.read_text()):
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    said = " ".join(err.split())
+    assert proc.returncode == 128 + signum, err
+    assert f"sinkprof bench: stopped early (the rank was stopped by {'SIGINT' if signum == 2 else 'SIGTERM'}" in said
+    assert f"the rows measured so far are in {partial}" in said and "Traceback" not in err
+    rows = list(csv.reader(partial.open()))
+    assert rows[0] == COLUMNS and {len(r) for r in rows} == {len(COLUMNS)} and not out.exists()
+    kinds = {(r[rows[0].index("comm")], r[rows[0].index("kind")]) for r in rows[1:]}
+    assert ("a2a", "iteration") in kinds

@@ -34,7 +34,7 @@ from ..sink import sink_logits
 from ..testing import make_inputs
 from .cases import Case, Settings, check_seq_len, expand
 from .errors import EXIT_OK
-from .launcher import RankInfo
+from .launcher import RankInfo, last_words
 from .linkmodel import Link, predict
 from .output import STDOUT, CsvStream, OutputError, atomic_path, check_writable, same_target, under_file
 
@@ -175,6 +175,15 @@ class RowWriter:
             print(f"sinkprof bench: stopped early; the rows measured so far are in {self.stream.partial}",
                   file=sys.stderr)
 
+    def stopped(self, reason: str) -> None:
+        """The last words of a run that a signal or its --run-timeout ends (``launcher.last_words``,
+        from another thread while this one may be writing): ``FILE.partial`` cut back to its last
+        whole row, and said so."""
+        if self.stream is not None and self.stream.renames:
+            self.stream.cut_to_whole()
+            print(f"sinkprof bench: stopped early ({reason}); the rows measured so far are in "
+                  f"{self.stream.partial}", file=sys.stderr, flush=True)
+
 
 @contextlib.contextmanager
 def _capture(device: torch.device, trace: Optional[str], rank: int):
@@ -245,12 +254,13 @@ def bench_job(info: RankInfo, groups: list, opts: BenchOptions) -> int:
     cases = [(settings, case) for settings in groups for case in expand(settings)]
     ran: dict = {}
     try:
-        for number, (settings, case) in enumerate(cases, 1):
-            meta = metadata(case, info.world, info.device, get_kernel(settings.backend, info.device).name, False,
-                            opts.phase)
-            if not _first(ran, meta, number, case, loud=info.rank == 0):
-                continue
-            _bench_case(case, settings, info, opts, writer, run_id, meta)
+        with last_words(None if writer is None else writer.stopped):
+            for number, (settings, case) in enumerate(cases, 1):
+                meta = metadata(case, info.world, info.device, get_kernel(settings.backend, info.device).name, False,
+                                opts.phase)
+                if not _first(ran, meta, number, case, loud=info.rank == 0):
+                    continue
+                _bench_case(case, settings, info, opts, writer, run_id, meta)
     except BaseException:
         if writer is not None:
             writer.abandon()
@@ -359,9 +369,21 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
     writer = RowWriter(opts.csv)
     run_id = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}-sim"
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    cases = [(settings, case) for settings in groups for case in expand(settings)]
+    try:
+        _simulate_cases(cases, device, opts, writer, run_id, stamp)
+    except BaseException:   # a Ctrl-C, a failure: the rows so far stay in FILE.partial, as a run's do
+        writer.abandon()
+        raise
+    writer.close()
+    _summary(writer.rows, opts.csv)
+    return EXIT_OK
+
+
+def _simulate_cases(cases: list, device: torch.device, opts: BenchOptions, writer: RowWriter, run_id: str,
+                    stamp: str) -> None:
     inputs: dict = {}   # made once per shape: at 128k they take the CPU most of a minute
     ran: dict = {}
-    cases = [(settings, case) for settings in groups for case in expand(settings)]
     for number, (settings, case) in enumerate(cases, 1):
         backend = get_kernel(settings.backend, device).name
         metas = {cp: metadata(case, cp, device, backend, True, opts.phase) for cp in opts.simulate}
@@ -379,9 +401,6 @@ def simulate(groups: list, opts: BenchOptions, device: torch.device) -> int:
                 meta["link"] = opts.link.describe()
             for rows in _simulate_case(case, settings, cp, device, opts, inputs[key]):
                 writer.append([dict(meta, **r, run_id=run_id, timestamp=stamp) for r in rows])
-    writer.close()
-    _summary(writer.rows, opts.csv)
-    return EXIT_OK
 
 
 def _simulate_case(case: Case, settings: Settings, cp: int, device: torch.device, opts: BenchOptions, x):

@@ -473,6 +473,13 @@ class CsvStream:
                                  f"{self.partial} holds the {self._whole[1]} row(s) written before")
         raise OutputError(f"writing the CSV {self.partial} failed: {exc.strerror or exc}{saved}") from None
 
+    def cut_to_whole(self) -> None:
+        """``FILE.partial`` cut back to the end of its last whole row (a write in flight may have
+        left part of one): for a run ended from another thread, without closing the file."""
+        if self.renames:
+            with contextlib.suppress(OSError):
+                os.truncate(self.partial, self._whole[0])
+
     def close(self) -> None:
         if self._file is sys.stdout:
             sys.stdout.flush()
