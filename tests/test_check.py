@@ -243,3 +243,25 @@ def test_a2a_p2p_runs_every_kv_schedule_over_its_ring_of_groups(cli):
                              kv_schedule=case["kv_schedule"])
         assert case["traffic"]["total"]["bytes"] == sum(t.sent for t in planned)
         assert case["traffic"]["fwd"]["a2a"]["messages"] == 4 * 3
+
+
+def test_the_json_has_each_cases_seed_and_a2a_size_and_the_table_tells_seeds_apart(cli, tmp_path):
+    """Before: the JSON's one seed was the first settings group's, and an a2a+p2p case's a2a size was
+    missing (the table showed it); two groups differing in seed alone gave two identical rows."""
+    profile = tmp_path / "two.toml"
+    profile.write_text('description = "two groups"\nranks = 2\nseq_len = 64\nheads = 2\nkv_heads = 2\nhead_dim = 8\n'
+                       'dtype = "fp64"\nsoftmax = "learnable"\nmask = "causal"\n'
+                       '[[cases]]\nseed = 1\ncomm = "a2a+p2p"\na2a_size = 1\n'
+                       '[[cases]]\nseed = 7\ncomm = "a2a+p2p"\na2a_size = 2\n'
+                       '[[cases]]\nseed = 7\ncomm = "p2p"\n')
+    res = cli("check", "--profile", str(profile), "--format", "json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["seed"] is None
+    assert [(c["comm"], c["a2a_size"], c["seed"]) for c in doc["cases"]] == [("a2a+p2p", 1, 1), ("a2a+p2p", 2, 7),
+                                                                              ("p2p", None, 7)]
+    res = cli("check", "--profile", str(profile))
+    rows = [line for line in res.stdout.splitlines() if "a2a+p2p(" in line or " p2p " in line]
+    assert len(rows) == 3 and "seed=1" in rows[0] and "seed=7" in rows[1] and "seed=7" in rows[2], res.stdout
+    res = cli("check", "--profile", str(profile), "--seed", "3", "--format", "json")
+    assert json.loads(res.stdout)["seed"] == 3

@@ -97,7 +97,7 @@ def test_a_single_case_prints_its_options_once():
 def test_json_report_keeps_every_tensor_error(capsys):
     results = _results()
     info = RankInfo(rank=0, world=4, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    report(results, False, info, Settings(), None, Output(Format.JSON))
+    report(results, False, info, 0, None, Output(Format.JSON))
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"passed", "cp", "device", "dist_backend", "fault", "seed", "stopped", "cases"}
     assert doc["stopped"] is None
@@ -110,12 +110,12 @@ def test_a_report_of_a_run_that_stopped_says_where_and_why(capsys, tmp_path):
     results = _results()[:2]
     info = RankInfo(rank=0, world=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
     stopped = Stopped("p2p/learnable/x", 3, 7, "a reason with [/] in it")
-    report(results, False, info, Settings(), None, Output(Format.JSON), stopped=stopped)
+    report(results, False, info, 0, None, Output(Format.JSON), stopped=stopped)
     doc = json.loads(capsys.readouterr().out)
     assert doc["passed"] is False and len(doc["cases"]) == 2
     assert doc["stopped"] == {"case": "p2p/learnable/x", "number": 3, "of": 7, "reason": "a reason with [/] in it"}
     out = tmp_path / "report.txt"
-    report([], False, info, Settings(), None, Output(Format.TABLE, str(out)), stopped=stopped)
+    report([], False, info, 0, None, Output(Format.TABLE, str(out)), stopped=stopped)
     lines = out.read_text().splitlines()
     assert lines[1:] == ["0 passed, 0 failed", "stopped at case 3 of 7 (p2p/learnable/x): a reason with [/] in it"]
     assert "FAILED (stopped at case 3 of 7" in capsys.readouterr().out

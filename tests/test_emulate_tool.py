@@ -128,3 +128,12 @@ def test_the_balanced_pack_layout_narrows_the_thd_replays_alone():
         r["strategy"] for r in csv.DictReader(io.StringIO(res.stdout))]
     assert "--pack-layout balanced (--kv-schedule ring)" in _refused(args[1:] + ["--qkv-format", "bshd,thd", "--pack-layout",
                                                                              "balanced", "--kv-schedule", "ring"])
+
+
+def test_the_json_says_no_schedule_as_check_does():
+    """A ring of one rank runs no K/V schedule: check's JSON says null, emulate's said ""."""
+    import json
+    res = runner.invoke(app, ["emulate", "--cp", "2", "--comm", "a2a+p2p", "--a2a-size", "2", "--mask", "causal",
+                              "--strategy", "step0", "--heads", "2", "--kv-heads", "2", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert [r["kv_schedule"] for r in json.loads(res.stdout)["results"]] == [None]

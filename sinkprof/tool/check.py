@@ -30,7 +30,7 @@ from ..plan import Layout, shard, spec_layout
 from ..schedule import PHASE_KINDS, CaseComm, case_comm
 from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_inputs, reference,
                        shares_storage, tolerance_for)
-from .cases import Case, Settings, a2a_members, expand
+from .cases import Case, a2a_members, expand
 from .errors import EXIT_FAILED, EXIT_OK
 from .launcher import RankInfo, last_words
 from .output import Format, Output
@@ -48,10 +48,12 @@ class CaseResult:
     backend: str = "torch"        # the tile kernels that ran
     kv_schedule: Optional[str] = None   # the ring's K/V schedule (auto resolved); None without a ring
     traffic: dict = field(default_factory=dict)   # messages and bytes sent, summed over ranks
+    seed: int = 0                 # of the case's inputs (its settings group's)
 
     def to_json(self) -> dict:
         c = self.case
-        return {"comm": c.comm.value, "kv_schedule": self.kv_schedule, "traffic": self.traffic,
+        return {"comm": c.comm.value, "a2a_size": c.a2a_size if c.comm is CommType.A2A_P2P else None,
+                "kv_schedule": self.kv_schedule, "traffic": self.traffic, "seed": self.seed,
                 "softmax": c.softmax.value, "mask": c.mask.value,
                 "qkv_format": c.qkv_format.value, "docs": list(c.docs) or None,
                 "pack_layout": c.pack_layout.value if c.docs else None, "dtype": c.dtype, "cp": self.cp,
@@ -193,6 +195,7 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     result = _reduce(case, cp, errors, tol, seconds, notes, info, comm, kernel.name)
     result.kv_schedule = planned.schedule.kind.value if planned.schedule is not None else None
     result.traffic = _traffic(groups, info, comm)
+    result.seed = seed
     return result
 
 
@@ -291,7 +294,8 @@ def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: flo
         def emit(done: list, stopped: Optional[Stopped]) -> None:
             progress.stop()
             passed = stopped is None and all(r.passed for r in done)
-            report(done, passed, info, groups[0], fault, output, stopped=stopped)
+            report(done, passed, info, seeds.pop() if len(seeds := {g.seed for g in groups}) == 1 else None, fault,
+                   output, stopped=stopped)
         once = ReportOnce(emit)
 
         def report_stopped(reason: str) -> None:
@@ -368,12 +372,13 @@ class Stopped:
         return f"stopped {where}: {self.reason}"
 
 
-def report(results: list, passed: bool, info: RankInfo, settings: Settings, fault, output: Output,
+def report(results: list, passed: bool, info: RankInfo, seed: Optional[int], fault, output: Output,
            stopped: Optional[Stopped] = None) -> None:
     """Rank 0's report: the cases' results (those finished, and ``stopped`` where the run stopped
-    early), as ``output`` asks."""
+    early), as ``output`` asks; ``seed`` the run's, None where its settings groups differ in it
+    (each case has its own)."""
     doc = {"passed": passed, "cp": info.world, "device": str(info.device), "dist_backend": info.backend,
-           "fault": fault.value if fault else None, "seed": settings.seed,
+           "fault": fault.value if fault else None, "seed": seed,
            "stopped": asdict(stopped) if stopped else None,
            "cases": [r.to_json() for r in results]}
 
@@ -444,6 +449,8 @@ def render_table(results: list, title: str, console) -> None:
     from rich.table import Table
     from rich.text import Text
     common, applying, varying = split_parts([r.case for r in results])
+    if len({r.seed for r in results}) > 1:   # settings groups of different seeds: otherwise alike rows
+        varying = [[*parts, f"seed={r.seed}"] for parts, r in zip(varying, results)]
     console.print(Text(title, style="bold"))
     if common:
         console.print(Text("every case: " + ", ".join(common)))

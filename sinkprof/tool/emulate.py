@@ -278,7 +278,7 @@ def run(cps, comm: str, a2a_size: Optional[int], masks, strategies, shape: Shape
         console.print(t)
 
     def as_json(key: str, value):   # as check's JSON has them: numbers as lists, null for none (the CSV's "")
-        if key in ("window", "docs", "pack_layout") and value == "":
+        if key in ("window", "docs", "pack_layout", "kv_schedule") and value == "":
             return None
         return [int(x) for x in value.split(",")] if key in ("window", "docs") else value
 
