@@ -15,6 +15,7 @@ import os
 import time
 from typing import Optional
 
+from .dist import where
 from .options import SinkStrategy, _Choice
 from .plan import RankPlan
 
@@ -114,6 +115,7 @@ class Injected(NoFault):
     def on_ring_step(self, rank: int, phase: str, step: int) -> None:
         if self.fault not in RANK_FAILURES or (rank, phase, step) != (1, "fwd", 0):
             return
+        where.phase, where.step, where.op = phase, step, f"the injected {self.fault.value}"   # what a report names
         if self.fault is Fault.CRASH:
             os._exit(CRASH_EXIT_CODE)
         while True:  # stall: stop answering; the peers' timeouts must catch it

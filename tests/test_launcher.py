@@ -165,6 +165,18 @@ def test_the_watchdog_reports_a_rank_stuck_in_the_forward_ring_there(cli):
     assert res.returncode == 1
     line = next(l for l in res.stderr.splitlines() if "rank 1: run timed out" in l)
     assert "fwd" in line and "setup" not in line and "reference" not in line
+    # before: "fwd step 0, the check that every rank passed the same arguments", the last exchange it made
+    assert line.endswith("fwd step 0, the injected stall"), line
+
+
+def test_bench_names_where_a_rank_hangs_not_where_it_last_exchanged(cli, tmp_path):
+    """Before: "hung at ... bwd step 1, dkv exchange", left from the iteration before the stall."""
+    res = cli("bench", "--softmax", "learnable", "--mask", "causal", "--dtype", "fp64", "--inject", "stall",
+              "--timeout", "60", "--run-timeout", "6", "--iters", "3", "--warmup", "1", "--csv", str(tmp_path / "b.csv"),
+              timeout=120)
+    assert res.returncode == 1
+    line = next(l for l in res.stderr.splitlines() if "rank 1: run timed out" in l)
+    assert line.endswith("fwd step 0, the injected stall"), line
 
 
 def test_ranks_started_with_different_options_stop_with_exit_2_naming_the_option():

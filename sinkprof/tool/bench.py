@@ -297,7 +297,7 @@ def _summary(rows: list, csv_path: Optional[str]) -> None:
 
 def _bench_case(case: Case, settings: Settings, info: RankInfo, opts: BenchOptions, writer, run_id: str,
                 meta: dict):
-    where.case = case.label
+    where.case, where.phase, where.step, where.op = case.label, "setup", -1, "inputs"
     cp, rank, device = info.world, info.rank, info.device
     spec = case.spec()
     dtype = DTYPES[case.dtype]

@@ -148,7 +148,7 @@ def run_case(case: Case, info: RankInfo, seed: int, backend: str, timeout: float
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    where.phase, where.op = "compare", "-"
+    where.phase, where.step, where.op = "compare", -1, "-"
 
     got = Result(out, q.grad, k.grad, v.grad, offset.grad if offset is not None else None,
                  bias.grad if bias is not None else None)
