@@ -419,3 +419,21 @@ def test_the_longest_timeouts_run():
     res = _run_into(subprocess.PIPE, "--timeout", "31536000", "--run-timeout", "31536000", "--softmax", "learnable",
                     "--mask", "causal", "--dtype", "fp64")
     assert res.returncode == 0, res.stderr
+
+
+def test_a_ranks_run_timeout_is_what_its_peers_report_not_their_broken_exchange(tmp_path, monkeypatch):
+    """The watchdog of the rank that started first ends it first; its peer's exchange with it then
+    fails at once, and rank 0 reported that ("reference dk sum failed or hung (timeout 120s) ...
+    Connection reset by peer") as why the run stopped. The watchdog leaves a marker its peers read."""
+    from sinkprof.tool import launcher
+    store = tmp_path / "store"
+    script = ("import time; from sinkprof.tool.launcher import Watchdog; from sinkprof.dist import where\n"
+              "where.case, where.phase, where.step, where.op = 'c', 'fwd', 2, 'kv exchange'\n"
+              "Watchdog(0.2, rank=1); time.sleep(30)")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, launcher.STORE_ENV: str(store)})
+    assert res.returncode == 1 and "rank 1: run timed out after 0.2s" in res.stderr
+    assert launcher.run_timed_out() is None   # no store named here: none
+    monkeypatch.setenv(launcher.STORE_ENV, str(store))
+    assert launcher.run_timed_out() == ("the run timed out after 0.2s, hung at case c, fwd step 2, kv exchange on "
+                                        "rank 1 (--run-timeout)")

@@ -32,7 +32,7 @@ from ..testing import (Error, Result, Shape, Snapshot, Tolerance, compare, make_
                        shares_storage, tolerance_for)
 from .cases import Case, a2a_members, expand
 from .errors import EXIT_FAILED, EXIT_OK
-from .launcher import RankInfo, last_words
+from .launcher import RankInfo, last_words, run_timed_out
 from .output import Format, Output
 
 
@@ -310,7 +310,8 @@ def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: flo
                     results.append(run_case(case, info, settings.seed, settings.backend, timeout))
                 except Exception as exc:
                     if info.rank == 0:
-                        report_stopped(str(exc) if isinstance(exc, CommError) else f"{type(exc).__name__}: {exc}")
+                        report_stopped(run_timed_out() or (str(exc) if isinstance(exc, CommError)
+                                                           else f"{type(exc).__name__}: {exc}"))
                     raise
                 progress.done()
     if info.rank == 0 and not once.write(results, None):

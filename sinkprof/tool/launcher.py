@@ -282,6 +282,7 @@ class Watchdog:
                 os._exit(EXIT_FAILED)            # orphaned: nobody reads our results
             if time.monotonic() >= deadline:
                 what = f"run timed out after {self.seconds:g}s, hung at {where}"
+                _mark("run-timeout", f"the {what} on rank {self.rank} (--run-timeout)")
                 print(f"sinkprof: rank {self.rank}: {what}", file=sys.stderr, flush=True)
                 _say_last_words(self.rank, f"the {what} (--run-timeout)")
                 _flush()
@@ -350,23 +351,43 @@ def _rank_main(job: Callable, args, device: str, backend: str, timeout: float, r
     return code
 
 
-def _quiet_marker() -> Optional[str]:
-    """A file beside the self-launched ranks' store that says the reader of stdout went away."""
-    return os.environ[STORE_ENV] + ".pipe-closed" if STORE_ENV in os.environ else None
+def _marker(kind: str) -> Optional[str]:
+    """A file beside the self-launched ranks' store by which a rank tells its peers how the run
+    ends (none under torchrun, whose ranks share no folder)."""
+    return f"{os.environ[STORE_ENV]}.{kind}" if STORE_ENV in os.environ else None
+
+
+def _mark(kind: str, text: str = "") -> None:
+    path = _marker(kind)
+    if path is not None:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write(text)
+
+
+def _marked(kind: str) -> Optional[str]:
+    """What a peer marked ``kind`` with, or None."""
+    path = _marker(kind)
+    with contextlib.suppress(OSError):
+        if path is not None:
+            with open(path) as f:
+                return f.read()
+    return None
 
 
 def _pipe_closed() -> None:
     """This rank's stdout lost its reader (``bench --csv - | head``): it ends quietly, and so do the
     peers whose exchanges with it then fail, and the launcher, which reads the marker."""
-    marker = _quiet_marker()
-    if marker is not None:
-        with contextlib.suppress(OSError):
-            open(marker, "w").close()
+    _mark("pipe-closed")
 
 
 def _pipe_was_closed() -> bool:
-    marker = _quiet_marker()
-    return marker is not None and os.path.exists(marker)
+    return _marked("pipe-closed") is not None
+
+
+def run_timed_out() -> Optional[str]:
+    """Why the run ended, when a rank's watchdog ended it (``--run-timeout``): a peer's exchange
+    with that rank then fails at once, and that failure is not the reason."""
+    return _marked("run-timeout")
 
 
 def _end(text: str, code: int) -> NoReturn:
