@@ -455,11 +455,9 @@ def check_qkv(q, k, v, fmt: QKVFormat) -> Dims:
     if k.shape[3] != d:
         raise ValueError(f"k head dim {k.shape[3]} differs from q head dim {d}")
     g = k.shape[2]
-    if min(h, g) == 0:
+    if min(b, s_q, k.shape[sd], h, g, d) == 0:
         raise ValueError(f"q, k, v must not be empty, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     check_gqa(h, g)
-    if min(b, s_q, k.shape[sd], d) == 0:
-        raise ValueError(f"q, k, v must not be empty, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     return Dims(b, s_q, k.shape[sd], h, g, d)
 
 

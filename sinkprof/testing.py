@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .options import AttnSpec, QKVFormat, SoftmaxType, check_scale
+from .options import AttnSpec, QKVFormat, SoftmaxType, check_scale, type_name
 from .reference import doc_ids
 from .sink import sink_logits
 
@@ -134,11 +134,14 @@ def reference(inputs: Inputs, spec: AttnSpec, scale: Optional[float] = None,
     scale = check_scale(scale, d)
     dev = q.device
     for name, flags, n, each in (("rows", rows, s, "query row of the sequence"), ("heads", heads, h, "query head")):
-        if flags is not None and not (isinstance(flags, torch.Tensor) and flags.dtype == torch.bool
-                                      and tuple(flags.shape) == (n,)):
-            got = (f"{flags.dtype} of shape {tuple(flags.shape)}" if isinstance(flags, torch.Tensor)
-                   else type(flags).__name__)
-            raise ValueError(f"{name} must be a bool tensor of shape [{n}], a flag for each {each}; got {got}")
+        if flags is None:
+            continue
+        if not isinstance(flags, torch.Tensor):
+            raise TypeError(f"{name} must be a bool tensor of shape [{n}], a flag for each {each}; got "
+                            f"{type_name(flags)}")
+        if flags.dtype != torch.bool or tuple(flags.shape) != (n,):
+            raise ValueError(f"{name} must be a bool tensor of shape [{n}], a flag for each {each}; got "
+                             f"{flags.dtype} of shape {tuple(flags.shape)}")
     if heads is not None:
         do = do * heads.to(dev, torch.float64).view(1, -1, 1, 1)
     sink = sink_logits(spec.softmax_type, x.offset, h, dev)

@@ -137,6 +137,8 @@ def test_a_run_that_outlives_its_run_timeout_reports_the_cases_it_finished_to_it
     assert res.returncode == 1
     text = out.read_text()
     assert "1 passed, 0 failed" in text and "stopped at case 2 of 2 (p2p/learnable" in text
+    # the run's timeout, whichever rank's watchdog fired first (a peer's broken exchange is not the reason)
+    assert "(--run-timeout)" in text and "run timed out after 15s" in text, text
     assert "FAILED (stopped at case 2 of 2" in res.stdout
     assert "Traceback" not in res.stderr, res.stderr
 

@@ -194,6 +194,8 @@ def test_check_on_a_terminal_shows_progress_and_in_a_pipe_does_not(cli, tmp_path
     assert piped.stderr == "" and "2/2" not in piped.stdout and "2 passed, 0 failed" in piped.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs script(1) for a terminal")
 def test_bench_on_a_terminal_draws_its_progress_on_stderr_and_leaves_a_csv_on_stdout_whole(tmp_path):
     """Before: the bar went to stdout, which the CSV took (``--csv - > file``): a blank line in the
     CSV at every case, and no bar on the terminal."""

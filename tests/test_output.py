@@ -1,4 +1,5 @@
 """The one output path: symlinks, devices and FIFOs, the umask, ``-``, ``FILE.partial``."""
+import contextlib
 import csv
 import errno
 import io
@@ -95,6 +96,35 @@ def test_a_folder_is_no_device_to_write_in_place(tmp_path):
     assert folder.is_dir() and not list(folder.iterdir()) and not list(tmp_path.glob(".*tmp*"))
     with pytest.raises(OutputError, match="rank1.json: Is a directory"):
         write_text(folder, "{}")
+
+
+def test_a_cut_from_another_thread_leaves_whole_rows_whatever_the_writer_still_has_buffered(tmp_path):
+    """A run a signal ends cuts FILE.partial back to its last whole row from the signal's thread
+    while the main thread may hold rows in its buffer: flushed after a cut by path alone, they
+    landed past the new end, behind a run of zero bytes."""
+    stream = CsvStream(tmp_path / "rows.csv", COLUMNS)
+    stream.append([{"a": 1, "b": 2}])
+    stream._csv.writerows([{"a": "x" * 50, "b": "y" * 50}] * 200)   # a write in flight: buffered, not flushed
+    cut = threading.Thread(target=stream.cut_to_whole)
+    cut.start()
+    cut.join(10)
+    with contextlib.suppress(OSError):
+        stream._file.flush()
+    data = (tmp_path / "rows.csv.partial").read_bytes()
+    assert data == b"a,b\r\n1,2\r\n"
+
+
+def test_a_fifo_whose_reader_went_away_is_named_with_the_reason(tmp_path):
+    """Before: "writing the CSV .../rows.fifo failed: " with the reason left out."""
+    fifo = tmp_path / "rows.fifo"
+    os.mkfifo(fifo)
+    reader = threading.Thread(target=lambda: open(fifo, "rb").close())
+    reader.start()
+    stream = CsvStream(fifo, COLUMNS)
+    reader.join(10)
+    with pytest.raises(OutputError, match=f"writing the CSV {fifo} failed: Broken pipe"):
+        for _ in range(100):
+            stream.append([{"a": "x" * 1000, "b": 2}])
 
 
 def test_dash_is_stdout(tmp_path, monkeypatch, capsys):

@@ -260,20 +260,21 @@ def _spec_inputs():
     return make_spec("learnable", "causal", (3, 0), "bshd"), Inputs(q, k, v, offset, None, dout)
 
 
-@pytest.mark.parametrize("kw, parts", [
-    (dict(rows=torch.tensor([0, 3, 5])), "rows must be a bool tensor of shape [12], a flag for each query row of "
+@pytest.mark.parametrize("kw, kind, parts", [
+    (dict(rows=torch.tensor([0, 3, 5])), ValueError, "rows must be a bool tensor of shape [12], a flag for each query row of "
                                          "the sequence; got torch.int64 of shape (3,)"),
-    (dict(rows=torch.tensor([True, False])), "rows must be a bool tensor of shape [12]"),
-    (dict(heads=torch.tensor([1])), "heads must be a bool tensor of shape [4], a flag for each query head; got "
+    (dict(rows=torch.tensor([True, False])), ValueError, "rows must be a bool tensor of shape [12]"),
+    (dict(heads=torch.tensor([1])), ValueError, "heads must be a bool tensor of shape [4], a flag for each query head; got "
                                     "torch.int64"),
-    (dict(heads=[True] * 4), "heads must be a bool tensor of shape [4], a flag for each query head; got list"),
+    (dict(heads=[True] * 4), TypeError, "heads must be a bool tensor of shape [4], a flag for each query head; got "
+                                        "list"),
 ])
-def test_the_reference_refuses_rows_or_heads_that_are_not_one_flag_each(kw, parts):
+def test_the_reference_refuses_rows_or_heads_that_are_not_one_flag_each(kw, kind, parts):
     """Before: integer rows were read as flags (rows [0, 3, 5] computed rows 1 and 2), a short bool
     vector computed its rows only, one integer head weighted every head."""
     from sinkprof.testing import reference
     spec, x = _spec_inputs()
-    with pytest.raises(ValueError, match=re.escape(parts)):
+    with pytest.raises(kind, match=re.escape(parts)):
         reference(x, spec, **kw)
 
 

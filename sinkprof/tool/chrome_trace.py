@@ -22,6 +22,8 @@ from .report import CASE_KEYS, COMM_KINDS, beside, exposed_spans, label
 COMPUTE_TID = 0
 COMM_TIDS = {"kv": 1, "dkv": 2, "a2a": 3}   # the first thread of each kind; its n-th (n >= 1) is tid + 10 * n
 BESIDE_TID = 4
+# Perfetto's order of a rank's threads: compute, each kind's threads, then compute beside
+COMM_SORT, BESIDE_SORT = 1000, 10 ** 6   # the n-th thread of kind tid sorts at COMM_SORT * tid + n
 GAP_US = 50.0
 
 
@@ -103,13 +105,13 @@ def trace(df: pd.DataFrame) -> dict:
             meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": BESIDE_TID,
                       "args": {"name": "compute beside"}},
                      {"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": BESIDE_TID,
-                      "args": {"sort_index": BESIDE_TID}}]
+                      "args": {"sort_index": BESIDE_SORT}}]
         for kind, first in COMM_TIDS.items():
             for n in range(len(lanes.get((rank, kind), []))):
                 tid = first + 10 * n
                 meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
                           "args": {"name": f"communication {kind}" + (f" {n + 1}" if n else "")}},
                          {"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid,
-                          "args": {"sort_index": 10 * first + n}}]
+                          "args": {"sort_index": COMM_SORT * first + n}}]
     return {"traceEvents": meta + events, "displayTimeUnit": "ms",
             "otherData": {"source": "sinkprof report", "runs": sorted(set(df["run_id"]))}}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import enum
 import functools
 import json
 import multiprocessing as mp
@@ -282,7 +283,7 @@ class Watchdog:
                 os._exit(EXIT_FAILED)            # orphaned: nobody reads our results
             if time.monotonic() >= deadline:
                 what = f"run timed out after {self.seconds:g}s, hung at {where}"
-                _mark("run-timeout", f"the {what} on rank {self.rank} (--run-timeout)")
+                _mark(Marker.RUN_TIMEOUT, f"the {what} on rank {self.rank} (--run-timeout)")
                 print(f"sinkprof: rank {self.rank}: {what}", file=sys.stderr, flush=True)
                 _say_last_words(self.rank, f"the {what} (--run-timeout)")
                 _flush()
@@ -327,12 +328,13 @@ def _rank_main(job: Callable, args, device: str, backend: str, timeout: float, r
     except Disagreement as exc:
         _end(str(exc), EXIT_USAGE)
     except SystemExit as exc:   # rich ends a write to a closed pipe so (its stdout now /dev/null)
-        _pipe_closed()
+        if _stdout_dropped():
+            _mark(Marker.PIPE_CLOSED)
         _end("", exc.code if isinstance(exc.code, int) else EXIT_FAILED)
     except Exception as exc:
         if isinstance(exc, BrokenPipeError):
-            _pipe_closed()
-        elif _pipe_was_closed():   # a peer's exchange with the rank that ended so: nothing to say either
+            _mark(Marker.PIPE_CLOSED)
+        elif _marked(Marker.PIPE_CLOSED) is not None:   # a peer's exchange with the rank that ended so: quiet too
             _end("", EXIT_FAILED)
         # the options were checked before the ranks started: a ValueError here is a bug, and shows
         known = None if isinstance(exc, ValueError) else describe(exc)
@@ -351,43 +353,43 @@ def _rank_main(job: Callable, args, device: str, backend: str, timeout: float, r
     return code
 
 
-def _marker(kind: str) -> Optional[str]:
-    """A file beside the self-launched ranks' store by which a rank tells its peers how the run
-    ends (none under torchrun, whose ranks share no folder)."""
-    return f"{os.environ[STORE_ENV]}.{kind}" if STORE_ENV in os.environ else None
+class Marker(enum.Enum):
+    """How a run ends, told by a rank to its peers and the launcher in a file beside the
+    self-launched ranks' store (under torchrun the ranks share no folder: nothing is told)."""
+
+    PIPE_CLOSED = "pipe-closed"   # rank 0's stdout lost its reader (bench --csv - | head): all end quietly
+    RUN_TIMEOUT = "run-timeout"   # a watchdog ended its rank (--run-timeout); the text says where it hung
+
+    def path(self, store: str) -> str:
+        return f"{store}.{self.value}"
 
 
-def _mark(kind: str, text: str = "") -> None:
-    path = _marker(kind)
-    if path is not None:
-        with contextlib.suppress(OSError), open(path, "w") as f:
+def _mark(marker: Marker, text: str = "") -> None:
+    if STORE_ENV in os.environ:
+        with contextlib.suppress(OSError), open(marker.path(os.environ[STORE_ENV]), "w") as f:
             f.write(text)
 
 
-def _marked(kind: str) -> Optional[str]:
-    """What a peer marked ``kind`` with, or None."""
-    path = _marker(kind)
-    with contextlib.suppress(OSError):
-        if path is not None:
-            with open(path) as f:
-                return f.read()
+def _marked(marker: Marker) -> Optional[str]:
+    """What a rank of this run marked ``marker`` with, or None."""
+    if STORE_ENV in os.environ:
+        with contextlib.suppress(OSError), open(marker.path(os.environ[STORE_ENV])) as f:
+            return f.read()
     return None
 
 
-def _pipe_closed() -> None:
-    """This rank's stdout lost its reader (``bench --csv - | head``): it ends quietly, and so do the
-    peers whose exchanges with it then fail, and the launcher, which reads the marker."""
-    _mark("pipe-closed")
-
-
-def _pipe_was_closed() -> bool:
-    return _marked("pipe-closed") is not None
+def _stdout_dropped() -> bool:
+    """Whether stdout now points at /dev/null: what rich (``errors.drop_stdout`` too) does once the
+    reader of stdout went away."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return os.path.samestat(os.fstat(sys.stdout.fileno()), os.stat(os.devnull))
+    return False
 
 
 def run_timed_out() -> Optional[str]:
     """Why the run ended, when a rank's watchdog ended it (``--run-timeout``): a peer's exchange
     with that rank then fails at once, and that failure is not the reason."""
-    return _marked("run-timeout")
+    return _marked(Marker.RUN_TIMEOUT)
 
 
 def _end(text: str, code: int) -> NoReturn:
@@ -555,7 +557,7 @@ def launch(job: Callable, args: tuple, *, nproc: int, device: str = "cpu", backe
                     raise StartError(f"rank {r} of {nproc} could not be started: {what}"
                                      + ("; the ranks started before it were stopped" if r else "")) from None
             stopped = _supervise(procs, run_timeout)
-            quiet = os.path.exists(store + ".pipe-closed")   # (_pipe_closed): the ranks stopped say nothing either
+            quiet = os.path.exists(Marker.PIPE_CLOSED.path(store))   # the ranks stopped say nothing either
     except _Stop as stop:   # (``stops`` disarmed itself: a second signal cannot end the stopping half-way)
         stopped = _stop_all([p for p in procs if p.pid is not None], stop.signum)
         name = signal.Signals(stop.signum).name

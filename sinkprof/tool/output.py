@@ -23,6 +23,7 @@ import re
 import stat
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -420,6 +421,7 @@ class CsvStream:
         self._csv = csv.DictWriter(self._file, fieldnames=columns, extrasaction="ignore")
         self._written: list = []
         self._whole = (0, 0)   # bytes and rows of FILE.partial after its last whole write
+        self._writing = threading.Lock()
         self._guard(self._csv.writeheader)
 
     @property
@@ -433,17 +435,18 @@ class CsvStream:
 
     def _guard(self, write) -> None:
         try:
-            write()
-            self._file.flush()
-            if self.renames:
-                os.fsync(self._file.fileno())
-                if os.fstat(self._file.fileno()).st_nlink == 0:
-                    raise FileNotFoundError(2, f"{self.partial} was removed")
-                self._whole = (self._file.tell(), len(self._written))   # the file ends after a whole row
-        except BrokenPipeError:
+            with self._writing:   # (cut_to_whole waits for a write in flight)
+                write()
+                self._file.flush()
+                if self.renames:
+                    os.fsync(self._file.fileno())
+                    if os.fstat(self._file.fileno()).st_nlink == 0:
+                        raise FileNotFoundError(2, f"{self.partial} was removed")
+                    self._whole = (self._file.tell(), len(self._written))   # the file ends after a whole row
+        except BrokenPipeError as exc:
             if self._file is sys.stdout:   # the reader of stdout went away (| head): ended quietly, as any command is
                 raise
-            self._rescue(BrokenPipeError())
+            self._rescue(exc)
         except OSError as exc:
             self._rescue(exc)
 
@@ -474,11 +477,18 @@ class CsvStream:
         raise OutputError(f"writing the CSV {self.partial} failed: {exc.strerror or exc}{saved}") from None
 
     def cut_to_whole(self) -> None:
-        """``FILE.partial`` cut back to the end of its last whole row (a write in flight may have
-        left part of one): for a run ended from another thread, without closing the file."""
-        if self.renames:
-            with contextlib.suppress(OSError):
-                os.truncate(self.partial, self._whole[0])
+        """For a process about to end, from another thread: ``FILE.partial`` cut back to the end
+        of its last whole row. A write in flight is waited for (a few seconds at most), and the
+        file's descriptor then points at /dev/null, so that nothing buffered lands past the cut;
+        the stream takes no more rows."""
+        if not self.renames:
+            return
+        self._writing.acquire(timeout=5.0)   # never released: the process ends
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._file.fileno())
+            os.close(devnull)
+            os.truncate(self.partial, self._whole[0])
 
     def close(self) -> None:
         if self._file is sys.stdout:

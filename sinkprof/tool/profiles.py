@@ -219,7 +219,7 @@ def settings_for(options: CaseOptions, ranks: Optional[int] = None, cps: tuple =
     if options.sink_grad is not None and not any(case.has_grad_contract for case in cases):
         raise ValueError(f"--sink-grad {options.sink_grad}: no case of this run has a replicated gradient (a sink, or "
                          f"--bias on bshd or sbhd; here --softmax {softmax}), the only cases it applies to; add "
-                         f"off-by-one or learnable to --softmax, or drop --sink-grad")
+                         f"off-by-one or learnable to --softmax, or --bias, or drop --sink-grad")
     if options.batch not in (None, 1) and all(set(g.qkv_format) == {"thd"} for g in groups):
         raise ValueError(f"--batch {options.batch}: a thd pack is one sequence of documents, its cases run with "
                          f"b = 1; drop --batch, or add bshd or sbhd to --qkv-format (their cases take it)")
