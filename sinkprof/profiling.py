@@ -185,7 +185,8 @@ def overlap_rows(rows: list[dict]) -> list[dict]:
         if r["kind"] in ("kv", "dkv", "a2a"):
             ov = sum(max(0.0, min(r["end_ms"], e) - max(r["start_ms"], s)) for s, e in busy[r["phase"]])
             r["overlap_ms"] = ov
-            r["exposed_ms"] = max(0.0, r["dur_ms"] - ov)
+            exposed = r["dur_ms"] - ov   # what the sums' rounding leaves of a span under compute is none
+            r["exposed_ms"] = exposed if exposed > 1e-9 * r["dur_ms"] else 0.0
     return rows
 
 

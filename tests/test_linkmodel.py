@@ -232,3 +232,58 @@ def test_a_joined_run_s_messages_are_posted_together_and_hide_behind_the_step_be
     assert [r for r in out if r["kind"] == "iteration"][0]["dur_ms"] == pytest.approx(5.0)
     apart = _by(predict(rows, kv, link), "kv")
     assert apart[("fwd", 1)]["exposed_ms"] == pytest.approx(0.8)
+
+
+def test_a_joined_runs_messages_to_several_peers_pay_the_latency_once_as_one_batch():
+    """Under direct a joined run's K/V come from a peer a step, all posted at once: one batch, peers
+    in parallel sharing the bandwidth (10 us + 12288 B / 1 GB/s = 22.288 us). Before, the steps'
+    exchanges were summed: 3 x (10 us + 4096 B / 1 GB/s) = 42.288 us."""
+    link = Link("x", 1.0, 10.0)
+    kv = [_t(peer=p, sent=2048, received=4096, step=p - 1) for p in (1, 2, 3)]
+    times = exchange_times(kv, link, posted_at={1: 0, 2: 0, 3: 0})
+    assert list(times) == [("fwd", 0, "kv")]
+    assert times[("fwd", 0, "kv")] == (pytest.approx(0.010 + 12288 / 1e6), 6144)
+    same_peer = [_t(peer=1, sent=2048, received=4096, step=s) for s in (0, 1, 2)]   # one after another
+    assert exchange_times(same_peer, link, posted_at={1: 0, 2: 0, 3: 0})[("fwd", 0, "kv")][0] == \
+        pytest.approx(3 * 0.010 + 12288 / 1e6)
+
+
+def test_an_exchange_under_compute_is_exposed_by_nothing_not_by_rounding():
+    """Before: 1e-16 ms "exposed" for spans the compute covers, which a filter exposed_ms > 0 counted."""
+    from sinkprof.profiling import overlap_rows
+    start, dur = 0.283, 0.264   # a predicted exchange: its end is start + dur, and end - start < dur
+    rows = [dict(kind="compute", phase="fwd", start_ms=0.0, end_ms=2.0),
+            dict(kind="kv", phase="fwd", start_ms=start, end_ms=start + dur, dur_ms=dur)]
+    assert dur - ((start + dur) - start) > 0
+    (kv,) = [r for r in overlap_rows(rows) if r["kind"] == "kv"]
+    assert kv["exposed_ms"] == 0.0 and kv["overlap_ms"] == pytest.approx(dur)
+
+
+def test_a_prediction_is_named_with_its_link_in_every_title_the_report_gives(tmp_path, monkeypatch):
+    """Before: two predictions over different links read alike everywhere; the timelines' titles and
+    the trace's case slice lacked PREDICTION (they took the case's first row, a measured compute row)."""
+    import json
+
+    from matplotlib.axes import Axes
+
+    from sinkprof.tool import figures
+    from sinkprof.tool.chrome_trace import trace
+    from sinkprof.tool.report import label, load
+    settings = Settings(softmax=("learnable",), mask=("causal",), dtype=("fp32",), seq_len=64)
+    csvs = []
+    for name in ("ib", "nvlink"):
+        csvs.append(tmp_path / f"{name}.csv")
+        simulate([settings], BenchOptions(warmup=0, iters=1, phase="fwd", csv=str(csvs[-1]), simulate=(2,),
+                                          link=PRESETS[name]), torch.device("cpu"))
+    df = load(csvs)
+    titles = []
+    monkeypatch.setattr(Axes, "set_title", lambda self, text, *a, **kw: titles.append(text))
+    for _, rows in df.groupby("run_id"):
+        figures.timeline(rows, "fwd")
+    assert len(titles) == 2 and all(t.startswith("PREDICTION ") for t in titles)
+    assert any("over ib 50 GB/s 10 us" in t for t in titles) and any("over nvlink 450 GB/s 5 us" in t for t in titles)
+    cases = [e for e in trace(df)["traceEvents"] if e.get("cat") == "case"]
+    assert cases and all(e["name"].startswith("PREDICTION ") and e["args"]["predicted"] for e in cases)
+    assert {e["args"]["link"] for e in cases} == {"ib 50 GB/s 10 us", "nvlink 450 GB/s 5 us"}
+    assert label(df.iloc[0]).endswith(f"over {df.iloc[0]['link']}")
+    assert json.loads(json.dumps(trace(df)))   # strict JSON still

@@ -17,7 +17,7 @@ import math
 
 import pandas as pd
 
-from .report import CASE_KEYS, COMM_KINDS, beside, exposed_spans, label
+from .report import CASE_KEYS, COMM_KINDS, beside, case_row, exposed_spans, label
 
 COMPUTE_TID = 0
 COMM_TIDS = {"kv": 1, "dkv": 2, "a2a": 3}   # the first thread of each kind; its n-th (n >= 1) is tid + 10 * n
@@ -57,7 +57,7 @@ def trace(df: pd.DataFrame) -> dict:
         rows = rows.dropna(subset=["start_ms", "end_ms"])
         if rows.empty:
             continue
-        first = rows.iloc[0]
+        first = case_row(rows)
         case_start = t
         for it, its_rows in rows.groupby("iteration"):
             for rank, mine in its_rows.groupby("rank"):
@@ -94,7 +94,8 @@ def trace(df: pd.DataFrame) -> dict:
             t += 1e3 * float(its_rows["end_ms"].max()) + GAP_US
         for rank in sorted(rows["rank"].unique()):
             events.append(_event(label(first), "case", rank, COMPUTE_TID, case_start - GAP_US / 4,
-                                 t - case_start, {k: str(first[k]) for k in CASE_KEYS}))
+                                 t - case_start, {**{k: str(first[k]) for k in CASE_KEYS},
+                                                  "predicted": bool(first["predicted"])}))
         t += 4 * GAP_US
     meta = []
     for rank in sorted(ranks):

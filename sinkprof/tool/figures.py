@@ -17,7 +17,7 @@ from typing import Optional
 
 import pandas as pd
 
-from .report import (CASE_KEYS, COMM_KINDS, STEP_KINDS, TIME_COLUMNS, TRUE, beside, case_rows, docs_text,
+from .report import (CASE_KEYS, COMM_KINDS, STEP_KINDS, TIME_COLUMNS, TRUE, beside, case_row, case_rows, docs_text,
                      exposed_spans, flops_unit, iteration_table, label, run_part, slugs)
 
 COMPUTE = "#4C72B0"
@@ -144,7 +144,7 @@ def timeline(rows: pd.DataFrame, phase: str) -> Optional[bytes]:
     ax.set_xlabel("ms from each rank's iteration start")
     ax.grid(axis="x", color="#dddddd", linewidth=0.6)
     ax.set_axisbelow(True)
-    first = rows.iloc[0]
+    first = case_row(rows)
     comm_note = "" if kinds else "; no communication (simulated)" if first["simulated"] else "; no communication"
     ax.set_title(f"{label(first)}\n{phase}: iteration {it} (the median of {n_its} by wall time){comm_note}",
                  fontsize=9)
@@ -171,6 +171,8 @@ def _show(key: str, value) -> str:
         return "simulated" if value else "real ring"
     if key == "predicted":
         return "predicted" if value else ""
+    if key == "link":
+        return f"over {value}" if str(value) else ""
     if key == "sink_strategy":
         return str(value) or "no sink"
     if key == "kv_schedule":

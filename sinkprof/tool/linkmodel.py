@@ -43,6 +43,7 @@ InfiniBand NDR (one ConnectX-7 per GPU: 50 GB/s each way). Latencies per message
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -115,28 +116,33 @@ def parse_link(text: str, option: str = "--link") -> Link:
         raise ValueError(f"{option} {text!r}: the bandwidth must be {GBPS_RANGE[0]:g} to {GBPS_RANGE[1]:g} GB/s")
     if not 0 <= lat <= LAT_US_MAX:
         raise ValueError(f"{option} {text!r}: the latency must be 0 to {LAT_US_MAX:g} microseconds")
-    return Link(f"{gbps:g}GB/s", gbps, lat)
+    return Link("custom", gbps, lat)
 
 
-def exchange_times(transfers: Iterable[Transfer], link: Link) -> dict:
-    """(phase, step, kind) -> (predicted ms, bytes sent) of one rank's exchanges."""
-    groups: dict = {}
+def exchange_times(transfers: Iterable[Transfer], link: Link, posted_at: Optional[dict] = None,
+                   computed_at: Optional[dict] = None) -> dict:
+    """(phase, step, kind) -> (predicted ms, bytes sent) of one rank's exchanges, each one batch
+    (``Link.exchange_ms``). Given ``posted_at`` or ``computed_at``, the messages posted together
+    are one batch, keyed by the step they are posted at: K/V (the message for step j is labelled
+    j - 1) at ``posted_at``, the backward's dK/dV (labelled j) once the call that computes step j
+    is done (``computed_at``); within a batch, a peer's messages go one after another."""
+    joined = posted_at is not None or computed_at is not None
+    posted_at, computed_at = posted_at or {}, computed_at or {}
+    batches: dict = {}   # (phase, step, kind) -> peer -> its transfers
     for t in transfers:
-        groups.setdefault((t.phase, t.step, t.kind), []).append(t)
-    return {key: (link.exchange_ms(ts), sum(t.sent for t in ts)) for key, ts in groups.items()}
+        at = t.step if not joined else posted_at.get(t.step + 1, t.step) if t.kind == "kv" else \
+            computed_at.get(t.step, t.step)
+        batches.setdefault((t.phase, at, t.kind), {}).setdefault(t.peer, []).append(t)
+    return {key: (link.exchange_ms([_one_peer(ts) for ts in peers.values()]),
+                  sum(t.sent for ts in peers.values() for t in ts)) for key, peers in batches.items()}
 
 
-def _posted_together(times: dict, posted_at: dict, computed_at: dict) -> dict:
-    """``exchange_times`` with the messages summed per step they are posted at: K/V (the message
-    for step j is labelled j - 1) at ``posted_at``, the backward's dK/dV (labelled j) once the
-    call that computes step j is done (``computed_at``)."""
-    out: dict = {}
-    for (phase, label, kind), (ms, nbytes) in times.items():
-        at = posted_at.get(label + 1, label) if kind == "kv" else computed_at.get(label, label)
-        key = (phase, at, kind)
-        before = out.get(key, (0.0, 0))
-        out[key] = (before[0] + ms, before[1] + nbytes)
-    return out
+def _one_peer(transfers: list) -> Transfer:
+    """A batch's messages to and from one peer as one ``Transfer``: their counts and bytes summed."""
+    return dataclasses.replace(transfers[0], sent=sum(t.sent for t in transfers),
+                               received=sum(t.received for t in transfers),
+                               messages_sent=sum(t.messages_sent for t in transfers),
+                               messages_received=sum(t.messages_received for t in transfers))
 
 
 def _comm_row(phase, step, kind, start, dur, nbytes) -> dict:
@@ -193,9 +199,7 @@ def predict(rows: list[dict], transfers: Iterable[Transfer], link: Link, blockin
     (``RankPlan.posted_at``), ``computed_at`` the step whose call computes it (``RankPlan.computed_at``,
     whose end sends its dK/dV): a ring that joins runs of steps posts a whole run's at once, which
     then share the link and are one row, labelled with that step."""
-    times = exchange_times(transfers, link)
-    if posted_at or computed_at:
-        times = _posted_together(times, posted_at or {}, computed_at or {})
+    times = exchange_times(transfers, link, posted_at, computed_at)
     out = []
     for it in sorted({r["iteration"] for r in rows}):
         mine = [r for r in rows if r["iteration"] == it]

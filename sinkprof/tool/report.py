@@ -36,7 +36,8 @@ from .cases import ALL, docs_label
 from .output import STDOUT, Output, check_writable, same_target, target, typed, under_file, write_bytes, write_text
 
 CASE_KEYS = ["run_id", "comm", "softmax", "sink_strategy", "sink_grad", "mask", "window", "bias", "qkv_format", "dtype",
-             "b", "s", "h", "g", "d", "cp", "a2a_size", "kv_schedule", "backend", "simulated", "docs", "pack_layout"]
+             "b", "s", "h", "g", "d", "cp", "a2a_size", "kv_schedule", "backend", "simulated", "docs", "pack_layout",
+             "link"]
 COMM_KINDS = ("kv", "dkv", "a2a")
 PHASES = ("fwd", "bwd", "fwdbwd")
 STEP_KINDS = ("compute",) + COMM_KINDS    # the rows of one ring step (an iteration row has step -1)
@@ -50,14 +51,14 @@ OPTIONAL_COLUMNS = {
     "window": "", "bias": False, "qkv_format": "",
     "dtype": "", "b": "", "s": "", "h": "", "g": "", "d": "", "cp": None,  # None: the number of ranks of the run
     "docs": "", "pack_layout": "", "a2a_size": "", "kv_schedule": "", "backend": "", "merges": "", "simulated": False, "predicted": False,
-    "flops": float("nan"), "bytes": float("nan"), "device_name": "", "torch": "", "cudnn": "", "nccl": "",
+    "link": "", "flops": float("nan"), "bytes": float("nan"), "device_name": "", "torch": "", "cudnn": "", "nccl": "",
     "sinkprof": "", "git_sha": "",
 }
 # Read as text, whatever they look like (a git sha "0123abc" keeps its leading zero).
 TEXT_COLUMNS = ("run_id", "timestamp", "phase", "kind", "comm", "softmax", "sink_strategy", "sink_grad", "mask",
                 "window", "qkv_format",
-                "docs", "pack_layout", "dtype", "kv_schedule", "backend", "merges", "a2a_size", "device_name", "torch",
-                "cudnn", "nccl", "sinkprof", "git_sha")
+                "docs", "pack_layout", "dtype", "kv_schedule", "backend", "merges", "a2a_size", "link", "device_name",
+                "torch", "cudnn", "nccl", "sinkprof", "git_sha")
 SHAPE_COLUMNS = ("b", "s", "h", "g", "d", "cp")
 INT_COLUMNS = ("rank", "iteration", "step") + SHAPE_COLUMNS
 FLOAT_COLUMNS = ("dur_ms", "start_ms", "end_ms", "overlap_ms", "exposed_ms", "flops", "bytes")
@@ -684,6 +685,14 @@ def sent_text(mb: float) -> str:
     return "" if mb != mb else f", sent {mb:.3f} MB/iter (most of any rank)"
 
 
+def case_row(rows: pd.DataFrame) -> pd.Series:
+    """One row that stands for a case's ``rows`` in its title: the first, marked ``predicted``
+    where any of them is (a prediction's compute rows are measured, its exchanges predicted)."""
+    first = rows.iloc[0].copy()
+    first["predicted"] = bool(rows["predicted"].any())
+    return first
+
+
 def label(row) -> str:
     """The whole case in words (titles)."""
     parts = [str(row["comm"]), str(row["softmax"]), str(row["mask"]), str(row["dtype"]), f"cp={row['cp']}"]
@@ -710,7 +719,8 @@ def label(row) -> str:
     # a CSV of an older version leaves some of these blank: they are left out, not "b= ()"
     shape = " ".join(f"{k}={row[k]}" for k in ("b", "s", "h", "g", "d") if str(row[k]))
     text = " ".join(filter(None, ("/".join(p for p in parts if p), shape,
-                                  f"({row['backend']})" if str(row["backend"]) else "")))
+                                  f"({row['backend']})" if str(row["backend"]) else "",
+                                  f"over {row['link']}" if str(row.get("link", "")) else "")))
     return f"PREDICTION {text}" if row.get("predicted", False) else text
 
 
