@@ -21,9 +21,9 @@ from .dist import (DEFAULT_TIMEOUT_S, Communicator, SoloCommunicator, differenti
                    require_initialized)
 from .hierarchical import CPGroups, check_grid, hierarchical_attention, split_groups
 from .kernels import get_kernel
-from .options import (A2AError, CommType, CPOptions, KVSchedule, QKVFormat, SinkGrad, check_a2a_size, check_bias,
-                      check_docs, check_heads, check_int, check_offset, check_qkv, check_runs, check_scale, check_sink_strategy,
-                      check_timeout, make_spec, plain_a2a)
+from .options import (CommType, CPOptions, KVSchedule, QKVFormat, SinkGrad, check_a2a_heads, check_a2a_size, check_bias,
+                      check_docs, check_int, check_offset, check_qkv, check_runs, check_scale, check_sink_strategy,
+                      check_timeout, make_spec)
 from .plan import spec_layout
 
 _comms: dict = {}
@@ -263,10 +263,7 @@ class Scope:
             check_a2a_size(a2a_size, self.size, h, g)
             self._groups = split_groups(group, a2a_size, timeout)
         if h is not None:
-            try:
-                check_heads(h, g, self._groups.inner.size, world=self.size)
-            except A2AError as exc:
-                raise (plain_a2a(exc) if comm_type is CommType.A2A else exc) from None
+            check_a2a_heads(h, g, self._groups.inner.size, self.size, comm_type)
         return self._groups
 
 

@@ -595,6 +595,15 @@ def check_heads(h: int, g: int, members: int, world: Optional[int] = None) -> No
                        A2AProblem.HEADS, members=members, world=world, h=h, g=g, sizes=sizes)
 
 
+def check_a2a_heads(h: int, g: int, members: int, world: int, comm: CommType) -> None:
+    """``check_heads`` for ``comm``, whose error under comm='a2a' (which takes no a2a size) is
+    ``plain_a2a``'s."""
+    try:
+        check_heads(h, g, members, world=world)
+    except A2AError as exc:
+        raise (plain_a2a(exc) if comm is CommType.A2A else exc) from None
+
+
 def plain_a2a(exc: A2AError) -> A2AError:
     """``check_heads``'s error in the words of comm='a2a', which takes no a2a size: p2p, or a2a+p2p
     with a smaller a2a group that splits the heads."""

@@ -35,9 +35,8 @@ from typing import Optional
 
 import torch
 
-from .options import (A2AError, CommType, KVSchedule, PackLayout, a2a_members, accum_dtype, check_a2a_size, check_dtype,
-                      check_gqa, check_heads, check_int, check_runs, make_spec,
-                      plain_a2a)
+from .options import (CommType, KVSchedule, PackLayout, a2a_members, accum_dtype, check_a2a_heads, check_a2a_size,
+                      check_dtype, check_gqa, check_int, check_runs, make_spec)
 from .plan import RankPlan, as_layout, join_runs, ring_plan, rows_in, spec_layout
 
 PHASE_KINDS = (("fwd", "kv"), ("fwd", "a2a"), ("bwd", "kv"), ("bwd", "dkv"), ("bwd", "a2a"))
@@ -293,10 +292,7 @@ def case_comm(*, s: int, b: int, h: int, g: int, d: int, dtype: torch.dtype, cp:
     comm_type = CommType.parse(comm, "comm")
     members = a2a_members(comm_type, cp, a2a_size if comm_type is CommType.A2A_P2P else None)
     check_a2a_size(members, cp, h, g)        # as cp_attention checks its own: the sizes offered fit both
-    try:
-        check_heads(h, g, members, world=cp)
-    except A2AError as exc:
-        raise (plain_a2a(exc) if comm_type is CommType.A2A else exc) from None
+    check_a2a_heads(h, g, members, cp, comm_type)
     ring_size = cp // members
     if spec.docs and sum(spec.docs) != s:
         raise ValueError(f"cu_seqlens ends at {sum(spec.docs)} but s={s}")

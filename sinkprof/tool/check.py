@@ -291,11 +291,13 @@ def check_job(info: RankInfo, groups: list, fault: Optional[Fault], timeout: flo
                            loud=info.rank == 0)
     results: list = []
     with faults.injected(fault), CaseProgress.for_run(len(cases), info.rank, output) as progress:
+        seeds = {g.seed for g in groups}
+        seed = next(iter(seeds)) if len(seeds) == 1 else None   # the run's, where its groups share one
+
         def emit(done: list, stopped: Optional[Stopped]) -> None:
             progress.stop()
             passed = stopped is None and all(r.passed for r in done)
-            report(done, passed, info, seeds.pop() if len(seeds := {g.seed for g in groups}) == 1 else None, fault,
-                   output, stopped=stopped)
+            report(done, passed, info, seed, fault, output, stopped=stopped)
         once = ReportOnce(emit)
 
         def report_stopped(reason: str) -> None:

@@ -20,7 +20,7 @@ import pandas as pd
 from .report import CASE_KEYS, COMM_KINDS, beside, case_row, exposed_spans, label
 
 COMPUTE_TID = 0
-COMM_TIDS = {"kv": 1, "dkv": 2, "a2a": 3}   # the first thread of each kind; its n-th (n >= 1) is tid + 10 * n
+COMM_TIDS = {"kv": 1, "dkv": 2, "a2a": 3}   # the first thread of each kind (_comm_tid gives the others)
 BESIDE_TID = 4
 # Perfetto's order of a rank's threads: compute, each kind's threads, then compute beside
 COMM_SORT, BESIDE_SORT = 1000, 10 ** 6   # the n-th thread of kind tid sorts at COMM_SORT * tid + n
@@ -33,8 +33,14 @@ def _lane(ends: list, ts: float, end: float) -> int:
     free = next((n for n, e in enumerate(ends) if e <= ts), len(ends))
     if free == len(ends):
         ends.append(end)
-    ends[free] = end
+    else:
+        ends[free] = end
     return free
+
+
+def _comm_tid(kind: str, lane: int) -> int:
+    """The thread of a rank's ``lane``-th exchanges of ``kind`` (its ids apart from every other's)."""
+    return COMM_TIDS[kind] + 10 * lane
 
 
 def _known(args: dict) -> dict:
@@ -80,8 +86,7 @@ def trace(df: pd.DataFrame) -> dict:
                         events.append(_event(f"{r['phase']} step {int(r['step'])} compute{suffix}", "compute", rank,
                                              tid, ts, dur, args))
                     elif r["kind"] in COMM_KINDS:
-                        tid = COMM_TIDS[r["kind"]] + 10 * _lane(lanes.setdefault((int(rank), r["kind"]), []),
-                                                                 ts, ts + dur)
+                        tid = _comm_tid(r["kind"], _lane(lanes.setdefault((int(rank), r["kind"]), []), ts, ts + dur))
                         step = "" if int(r["step"]) < 0 else f" step {int(r['step'])}"
                         args.update(overlap_ms=r["overlap_ms"], exposed_ms=r["exposed_ms"])
                         if math.isfinite(r["bytes"]):  # a CSV older than the column has none
@@ -109,7 +114,7 @@ def trace(df: pd.DataFrame) -> dict:
                       "args": {"sort_index": BESIDE_SORT}}]
         for kind, first in COMM_TIDS.items():
             for n in range(len(lanes.get((rank, kind), []))):
-                tid = first + 10 * n
+                tid = _comm_tid(kind, n)
                 meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
                           "args": {"name": f"communication {kind}" + (f" {n + 1}" if n else "")}},
                          {"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid,

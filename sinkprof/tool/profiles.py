@@ -170,7 +170,8 @@ def locate(name: str, option: str = "--profile") -> Path:
         return path
     known = available()
     if name not in known:
-        hint = f"; {not_folders()}" if not_folders() else ""
+        note = not_folders()
+        hint = f"; {note}" if note else ""
         raise ValueError(f"{option} {name!r} is unknown; available: {', '.join(known) or 'none'} "
                          f"(or pass a path to a .toml file){hint}")
     return known[name]
@@ -295,8 +296,9 @@ def show(name: Optional[str], output: Output) -> None:
             console.print(f"group {i + 1}: " + escape(", ".join(f"{k}={v}" for k, v in
                                                               dataclasses.asdict(settings).items())))
 
-    if name is None and not_folders():
-        print(f"sinkprof profiles: note: {not_folders()}", file=sys.stderr)
+    note = not_folders() if name is None else ""
+    if note:
+        print(f"sinkprof profiles: note: {note}", file=sys.stderr)
     prof = None if name is None else find(name, "sinkprof profiles")
     groups = [] if prof is None else prof.resolve({})
     for i, settings in enumerate(groups):
